@@ -559,6 +559,106 @@ def test_the_document_cache_keeps_under_its_byte_budget_at_the_defaults(tmp_path
     backend.close()
 
 
+def _unit_rows(n: int, dimension: int, seed: int) -> np.ndarray:
+    rows = np.random.default_rng(seed).standard_normal((n, dimension)).astype(np.float32)
+    return rows / np.linalg.norm(rows, axis=1, keepdims=True)
+
+
+def test_the_vector_cache_keeps_under_its_byte_budget_letting_go_of_the_least_recently_searched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three tenants' indexes; a budget that holds two blocks. Searching a, b, a again and
+    then c lets go of b, the least recently searched (a's search made it the most recent);
+    searching b loads it again from SQLite, with the same hits, and lets go of a. Before,
+    every block stayed for as long as the process ran."""
+    backend = EmbeddedBackend(tmp_path)
+    tenants = ("a", "b", "c")
+    vectors = {t: _unit_rows(60, 256, seed) for seed, t in enumerate(tenants)}
+    for t in tenants:
+        docs = [Document(f"{t}{i}", f"text {i}", "") for i in range(60)]
+        backend.upsert("idx", t, docs, vectors[t])
+
+    def top(tenant: str, row: int) -> str:
+        query = ChannelQuery(
+            "idx", HardFilters(tenant), ("knn",), 5, "", vector=vectors[tenant][row]
+        )
+        return backend.retrieve(query).hits["knn"][0].document.id
+
+    assert top("a", 1) == "a1" and top("b", 2) == "b2"
+    two = sum(v.block.matrix.nbytes + v.block.seqs.nbytes for v in backend._vectors.values())
+    monkeypatch.setattr(embedded._caches, "VECTOR_CACHE_BYTES", two + two // 4, raising=False)
+    assert top("a", 3) == "a3"
+    assert top("c", 4) == "c4"
+    assert list(backend._vectors) == [("idx", "a"), ("idx", "c")]
+    assert top("b", 5) == "b5"  # let go, loaded again: the same hits
+    assert list(backend._vectors) == [("idx", "c"), ("idx", "b")]
+    cached = [v.block for v in backend._vectors.values()]
+    assert backend._vector_bytes == sum(b.nbytes for b in cached) <= two + two // 4
+    assert all(b.nbytes > b.matrix.nbytes + b.seqs.nbytes for b in cached)  # strings count
+    backend.close()
+
+
+def test_an_index_alone_past_the_vector_budget_is_kept_for_its_searches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block larger than the whole budget is still kept while it is the one searched (let
+    go, each search would load the whole index again), and goes once another is searched."""
+    monkeypatch.setattr(embedded._caches, "VECTOR_CACHE_BYTES", 1, raising=False)
+    backend = EmbeddedBackend(tmp_path)
+    vectors = _unit_rows(20, 8, 0)
+    for t in ("a", "b"):
+        backend.upsert("idx", t, [Document(f"{t}{i}", "x", "") for i in range(20)], vectors)
+
+    def search(tenant: str) -> None:
+        query = ChannelQuery("idx", HardFilters(tenant), ("knn",), 3, "", vector=vectors[0])
+        assert backend.retrieve(query).hits["knn"][0].document.id == f"{tenant}0"
+
+    search("a")
+    block = backend._vectors[("idx", "a")].block
+    search("a")
+    assert backend._vectors[("idx", "a")].block is block  # not loaded again
+    search("b")
+    assert list(backend._vectors) == [("idx", "b")]
+    backend.close()
+
+
+def test_searches_in_threads_read_blocks_let_go_under_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A budget of one byte: every load of one tenant's index lets go of every other's, while
+    eight threads search four of them and a ninth writes more documents to one. A block let
+    go under a search is the cache's reference dropped, never the rows changed: every search
+    finds the document its query vector is (its own row), whatever was let go meanwhile."""
+    monkeypatch.setattr(embedded._caches, "VECTOR_CACHE_BYTES", 1, raising=False)
+    backend = EmbeddedBackend(tmp_path)
+    tenants = [f"t{k}" for k in range(4)]
+    vectors = {t: _unit_rows(400, 64, seed) for seed, t in enumerate(tenants)}
+    for t in tenants:
+        docs = [Document(f"{t}-{i}", f"text {i}", "") for i in range(300)]
+        backend.upsert("idx", t, docs, vectors[t][:300])
+
+    def search(job: int) -> list[tuple[str, str]]:
+        wrong = []
+        for n in range(60):
+            t, row = tenants[(job + n) % 4], (job * 7 + n) % 300
+            query = ChannelQuery("idx", HardFilters(t), ("knn",), 10, "", vector=vectors[t][row])
+            found = backend.retrieve(query).hits["knn"][0].document.id
+            if found != f"{t}-{row}":
+                wrong.append((found, f"{t}-{row}"))
+        return wrong
+
+    def write() -> list[tuple[str, str]]:
+        for i in range(300, 400):  # appends grow t0's block, in place when it has room
+            backend.upsert("idx", "t0", [Document(f"t0-{i}", "more", "")], vectors["t0"][i : i + 1])
+        return []
+
+    with ThreadPoolExecutor(max_workers=9) as pool:
+        futures = [pool.submit(search, job) for job in range(8)] + [pool.submit(write)]
+        assert [w for f in futures for w in f.result()] == []
+    assert len(backend._vectors) == 1  # each load let go of the others
+    backend.close()
+
+
 def test_an_index_keeps_the_embedding_model_its_first_write_recorded(tmp_path: Path) -> None:
     """Vectors of another model are refused, writing nothing, while the tenant's index holds
     a document; the record goes with the last of them, by a drop or by deletes by id."""

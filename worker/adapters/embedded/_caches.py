@@ -1,12 +1,13 @@
 """The embedded backend's in-memory caches, per process: each tenant's index's vectors (the
 matrix a kNN search scans, refreshed by the index's generation, loading only rows added
-since, and let go once the index is emptied, whoever emptied it) and built ``Document``s by
-``seq``."""
+since, let go once the index is emptied, whoever emptied it, or once the blocks pass their
+byte budget, the least recently searched first) and built ``Document``s by ``seq``."""
 
 from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -32,6 +33,17 @@ logger = logging.getLogger(__package__)
 DOCUMENT_CACHE_SIZE = 20_000
 DOCUMENT_CACHE_BYTES = 64 * 1024 * 1024
 
+# Every tenant's index's vector block, by bytes (its matrix with its spare rows, its seqs,
+# ids, revisions and metadata: about 1.8 KB a document at 384 dimensions, 2.5 KB with spare
+# rows), the least recently searched index's let go first. Without it a process kept every
+# block it ever loaded: a worker serving many tenants' indexes grew by 180 to 250 MB per
+# 100,000 documents it had searched, for as long as it ran. A block let go is loaded again
+# by its index's next kNN search, at about 3.5 ms of CPU per 1,000 rows, under the lock
+# (0.34 s for 100,000, a search of them in memory 8 ms: benchmarks/bench_vector_reload.py),
+# so the budget keeps a process's working set: some 200,000 documents, two indexes at the
+# exact scan's intended size, about 1.2 GB a worker process at most with the model.
+VECTOR_CACHE_BYTES = 512 * 1024 * 1024
+
 
 @dataclass
 class _Block:
@@ -47,10 +59,17 @@ class _Block:
     revisions: list[str] = field(default_factory=list)
     metadata: list[str] = field(default_factory=list)
     matrix: npt.NDArray[np.float32] = field(default_factory=lambda: np.zeros((0, 0), np.float32))
+    strings: int = 0  # the bytes of ids, revisions and metadata (_strings), counted once
 
     @property
     def size(self) -> int:
         return int(self.seqs.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """What the block holds in memory, as the budget counts it: the matrix with its
+        spare rows, the seqs, and the strings with the lists' slots for them."""
+        return int(self.matrix.nbytes) + int(self.seqs.nbytes) + self.strings
 
 
 @dataclass
@@ -71,7 +90,14 @@ class _Vectors:
 
 
 class _VectorCache(_Pool):
-    """The caches' reads and writes (their state is :class:`_Pool`'s)."""
+    """The caches' reads and writes (their state is :class:`_Pool`'s).
+
+    A vector block is let go by dropping the cache's reference alone: a search that got
+    it from :meth:`_refresh` scans it on, outside the lock, and the block lives as long as
+    a search holds it. Nothing writes a row a reader may see (:func:`_grow`), and a block
+    loaded again is a new one, so a search never sees rows change under it; the memory of
+    a block let go is freed when its last search ends.
+    """
 
     def _remember(self, built: dict[int, Document]) -> None:
         with self._lock:
@@ -91,8 +117,11 @@ class _VectorCache(_Pool):
         (and any other index's let go, once emptied: :meth:`_let_go_of_emptied`)."""
         with self._lock:
             self._let_go_of_emptied(conn, (index, tenant))
-            cached = self._vectors.get((index, tenant), _Vectors())
+            key = (index, tenant)
+            cached = self._vectors.get(key, _Vectors())
             if cached.generation >= generation:
+                if key in self._vectors:
+                    self._vectors.move_to_end(key)  # now the most recently searched
                 return cached
             old = cached.block
             rows: npt.NDArray[np.intp] = np.arange(old.size)
@@ -130,12 +159,20 @@ class _VectorCache(_Pool):
             if not more and rows.size == 0:
                 block = _Block()  # emptied (a drop): no spare rows of the old width kept
             elif more or not whole:
+                ids = _kept(old.ids, rows, whole) + [r[1] for r in more]
+                revisions = _kept(old.revisions, rows, whole) + [r[2] for r in more]
+                metadata = _kept(old.metadata, rows, whole) + [r[3] for r in more]
                 block = _Block(
                     seqs=np.concatenate([old.seqs[rows], np.array([r[0] for r in more], np.int64)]),
-                    ids=_kept(old.ids, rows, whole) + [r[1] for r in more],
-                    revisions=_kept(old.revisions, rows, whole) + [r[2] for r in more],
-                    metadata=_kept(old.metadata, rows, whole) + [r[3] for r in more],
+                    ids=ids,
+                    revisions=revisions,
+                    metadata=metadata,
                     matrix=_grow(old.matrix, old.size, rows, [r[4] for r in more]),
+                    strings=(
+                        old.strings + _strings([r[1:4] for r in more])
+                        if whole
+                        else _strings(zip(ids, revisions, metadata, strict=True))
+                    ),
                 )
                 logger.debug(
                     "index %s of %s: %d vectors (+%d, -%d)",
@@ -150,8 +187,27 @@ class _VectorCache(_Pool):
                 max_seq=max(cached.max_seq, more[-1][0] if more else 0),
                 block=block,
             )
-            self._vectors[(index, tenant)] = fresh
+            self._keep_vectors(key, fresh)
             return fresh
+
+    def _keep_vectors(self, key: tuple[str, str], vectors: _Vectors) -> None:
+        """Cache ``vectors`` as the most recently searched, then let go of the least recently
+        searched others while the blocks pass :data:`VECTOR_CACHE_BYTES` (with the lock held).
+
+        The block just loaded is kept even alone past the budget: it is the one a search
+        scans now, and letting it go would load the whole index again at each search."""
+        self._drop_vectors(key)
+        self._vectors[key] = vectors
+        self._vector_bytes += vectors.block.nbytes
+        while self._vector_bytes > VECTOR_CACHE_BYTES and len(self._vectors) > 1:
+            oldest = next(iter(self._vectors))
+            logger.debug("index %s of %s: vectors let go (byte budget)", *oldest)
+            self._drop_vectors(oldest)
+
+    def _drop_vectors(self, key: tuple[str, str]) -> None:
+        """Let go of one tenant's index's block, if cached (with the lock held)."""
+        if (gone := self._vectors.pop(key, None)) is not None:
+            self._vector_bytes -= gone.block.nbytes
 
     def _let_go_of_emptied(self, conn: apsw.Connection, searched: tuple[str, str]) -> None:
         """Drop the vectors of every other cached index that holds no document now (dropped,
@@ -175,13 +231,19 @@ class _VectorCache(_Pool):
         self._schema_seen = schema
         for index, tenant in list(self._vectors):
             if not _holds(conn, index, tenant):
-                del self._vectors[(index, tenant)]
+                self._drop_vectors((index, tenant))
 
 
 def _weight(document: Document) -> int:
     """The bytes a cached document's title and text hold: ``sys.getsizeof`` counts CPython's
     1, 2 or 4 bytes a character (by the string's widest) and its header, without a walk."""
     return sys.getsizeof(document.text) + sys.getsizeof(document.title)
+
+
+def _strings(rows: Iterable[tuple[str, ...]]) -> int:
+    """The bytes of the rows' strings (``sys.getsizeof``: header and characters) and of the
+    lists' slots for them, as a block holds them (one list per column)."""
+    return sum(sum(map(sys.getsizeof, row)) + 8 * len(row) for row in rows)
 
 
 def _kept(values: list[str], rows: npt.NDArray[np.intp], whole: bool) -> list[str]:

@@ -72,7 +72,10 @@ class _Pool:
         # walks every slot deleted since its last resize: 2 ms per full-cache search measured.
         self._documents: OrderedDict[int, Document] = OrderedDict()
         self._document_bytes = 0  # their titles' and texts' (_caches._weight), under a budget
-        self._vectors: dict[tuple[str, str], _Vectors] = {}  # by (index, tenant)
+        # By (index, tenant), the least recently searched first; their blocks' bytes, under a
+        # budget (_caches.VECTOR_CACHE_BYTES).
+        self._vectors: OrderedDict[tuple[str, str], _Vectors] = OrderedDict()
+        self._vector_bytes = 0
         self._schema_seen: int | None = None  # the schema version the caches were swept at
         self._connections: list[apsw.Connection] = []  # every open one, lent or idle
         self._idle: list[apsw.Connection] = []  # the pool: the last given back on top
@@ -96,8 +99,9 @@ class _Pool:
         with self._lock:
             if os.getpid() != self._pid:  # forked: never use (nor close) the parent's
                 self._inherited += self._connections
-                self._pid, self._connections, self._vectors = os.getpid(), [], {}
+                self._pid, self._connections = os.getpid(), []
                 self._idle, self._documents, self._document_bytes = [], OrderedDict(), 0
+                self._forget_vectors()
             conn = self._idle.pop() if self._idle else None
             epoch = self._epoch
         if conn is None:
@@ -116,6 +120,11 @@ class _Pool:
                     conn.close()
                 else:
                     self._idle.append(conn)
+
+    def _forget_vectors(self) -> None:
+        """Let go of every cached vector block (with the lock held); a search holding one
+        reads on, its block alive for as long as it holds it."""
+        self._vectors, self._vector_bytes = OrderedDict(), 0
 
     def _open(self) -> apsw.Connection:
         with _translated("open"):
@@ -170,7 +179,7 @@ class _Pool:
                 return  # the parent's: never closed here (the next use starts afresh)
             connections, self._connections, self._idle = self._connections, [], []
             self._epoch += 1
-            self._vectors = {}
+            self._forget_vectors()
         for conn in connections:
             conn.close()
 

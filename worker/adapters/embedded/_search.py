@@ -124,7 +124,7 @@ class _Search(_VectorCache):
                 # answers as a name nobody has, and the emptied one's FTS5 table is gone. Its
                 # vectors are let go (a later write loads them afresh).
                 with self._lock:
-                    self._vectors.pop((query.index, query.filters.tenant), None)
+                    self._drop_vectors((query.index, query.filters.tenant))
                 raise IndexNotFound(query.index)
             num, generation = searched
             ranked: dict[Channel, _Ranked] = {}
