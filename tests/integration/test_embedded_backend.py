@@ -531,6 +531,31 @@ def test_the_document_cache_stays_bounded_and_evicted_hits_are_read_again(
     backend.close()
 
 
+def test_a_document_searched_often_stays_cached_through_a_stream_of_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cache of 5: one document found by every other search, 29 others found once each in
+    between. A hit makes it the most recently used, so it is never the one let go: each
+    search of it answers the very Document first built. Let go by age, it was read from
+    SQLite again after every fifth new one."""
+    monkeypatch.setattr(embedded._caches, "DOCUMENT_CACHE_SIZE", 5)
+    backend = EmbeddedBackend(tmp_path)
+    docs = [Document(f"d{i}", f"text {i}", f"title {i}") for i in range(30)]
+    vectors = np.eye(30, dtype=np.float32)
+    backend.upsert("idx", "acme", docs, vectors)
+
+    def knn(i: int) -> Document:
+        query = ChannelQuery("idx", HardFilters("acme"), ("knn",), 1, "", vector=vectors[i])
+        return backend.retrieve(query).hits["knn"][0].document
+
+    hot = knn(0)
+    for i in range(1, 30):
+        assert knn(i) == docs[i]
+        assert knn(0) is hot  # a cache hit, not a Document built again
+    assert len(backend._documents) == 5
+    backend.close()
+
+
 def test_the_document_cache_keeps_under_its_byte_budget_at_the_defaults(tmp_path: Path) -> None:
     """Documents at the API's 100,000 characters, of a script CPython stores at 4 bytes a
     character (about 400 KB each): 200 of them, past the budget, go through the cache; it

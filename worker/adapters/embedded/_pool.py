@@ -68,8 +68,9 @@ class _Pool:
         self.max_indexes_per_tenant = max_indexes_per_tenant  # 0: no limit
         self.tombstone_seconds = tombstone_seconds
         self._lock = threading.Lock()
-        # Insertion order, the oldest evicted first. An OrderedDict, as a dict's next(iter())
-        # walks every slot deleted since its last resize: 2 ms per full-cache search measured.
+        # Use order, the least recently used let go first (_caches._recall). An OrderedDict, as
+        # a dict's next(iter()) walks every slot deleted since its last resize: 2 ms per
+        # full-cache search measured.
         self._documents: OrderedDict[int, Document] = OrderedDict()
         self._document_bytes = 0  # their titles' and texts' (_caches._weight), under a budget
         # By (index, tenant), the least recently searched first; their blocks' bytes, under a

@@ -139,8 +139,7 @@ class _Search(_VectorCache):
                 seconds[channel] = time.perf_counter() - started
             # Cached Documents first; the bodies of the rest in one statement, each built once.
             started = time.perf_counter()
-            cache = self._documents
-            found = {channel: list(map(cache.get, r.seqs)) for channel, r in ranked.items()}
+            found = {channel: self._recall(r.seqs) for channel, r in ranked.items()}
             missing: dict[int, _About] = {}
             for channel, docs in found.items():
                 r = ranked[channel]
