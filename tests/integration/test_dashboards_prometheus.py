@@ -220,6 +220,12 @@ def test_sift_cost_reads_the_same_totals(observed: Observed, tmp_path: Path) -> 
     assert report.unpriced_calls == 0  # the workload's model has a price
     assert report.unread_attempts == workload.EXPECTED_UNREAD
     assert report.unread_input_tokens == observed.did["fake_unread_input"]
+    # their input at the model's input price (all in the standard lane): an estimate in USD
+    haiku = price_for(workload.MODEL, DEFAULT_PRICES)
+    assert haiku is not None and report.unread_unpriced_tokens == 0
+    assert report.unread_input_cost == pytest.approx(
+        observed.did["fake_unread_input"] * haiku.input / 1_000_000, rel=1e-9
+    )
 
 
 def test_sift_cost_prints_a_table_and_writes_a_png(observed: Observed, tmp_path: Path) -> None:
@@ -240,6 +246,7 @@ def test_sift_cost_prints_a_table_and_writes_a_png(observed: Observed, tmp_path:
         assert word in run.output
     unread = f"possibly billed, not read: {workload.EXPECTED_UNREAD} attempts"
     assert unread in " ".join(run.output.split()), run.output
+    assert "USD at the input price (an estimate" in " ".join(run.output.split()), run.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert png.stat().st_size > 10_000
 

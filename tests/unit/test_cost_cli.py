@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import worker.cli.cost as cost
 from tests.prometheus_support import free_port
 from worker.cli import app
 from worker.errors import SiftError
+from worker.prices import Price
 
 
 def test_counter_increase_is_exact_and_survives_resets() -> None:
@@ -91,6 +93,56 @@ def test_unpriced_calls_are_reported_beside_the_cost_they_leave_out() -> None:
     assert "warning" not in _printed(priced)
 
 
+HAIKU = Price(input=1.0, output=5.0, cache_read=0.1, cache_creation=1.25)
+
+
+def test_unread_input_is_priced_at_each_model_s_input_price_the_economy_lane_at_half() -> None:
+    """Each (model, lane)'s estimated unread input at its model's input price (a dated
+    snapshot at its alias's); the economy lane's at the Message Batches discount; a model
+    with no price adds no dollars, its tokens given apart."""
+    tokens = {
+        ("claude-haiku-4-5", "standard"): 2_000_000.0,
+        ("claude-haiku-4-5-20251001", "standard"): 1_000_000.0,
+        ("claude-haiku-4-5", "economy"): 2_000_000.0,
+        ("claude-new-model", "standard"): 7_000.0,
+    }
+    assert cost.unread_input_cost(tokens, {"claude-haiku-4-5": HAIKU}) == (4.0, 7_000.0)
+    assert cost.unread_input_cost({}, {"claude-haiku-4-5": HAIKU}) == (0.0, 0.0)
+
+
+def test_unread_attempts_are_reported_with_their_estimated_dollars() -> None:
+    """The possibly billed, not read line gives the dollars of their input as an estimate (it
+    gave tokens alone), and says when some of them were to a model with no price."""
+    report = cost.CostReport(
+        "1h", {"m": 0.5}, {}, {}, {}, 10, {}, unread_attempts=3, unread_input_tokens=3900,
+        unread_input_cost=0.0039,
+    )  # fmt: skip
+    said = " ".join(_printed(report).split())
+    assert "possibly billed, not read: 3 attempts" in said, said
+    assert "about 3,900 input tokens by estimate, about 0.003900 USD at the input price" in said
+    assert "no price" not in said
+    unpriced = cost.CostReport(
+        "1h", {"m": 0.5}, {}, {}, {}, 10, {}, unread_attempts=3, unread_input_tokens=3900,
+        unread_input_cost=0.0039, unread_unpriced_tokens=900,
+    )  # fmt: skip
+    said = " ".join(_printed(unpriced).split())
+    assert "900 of those tokens, to a model with no price in SIFT_PRICES, are not in" in said
+
+
+def test_the_chart_s_title_gives_the_unread_attempts_estimate() -> None:
+    """``--png`` titles its chart with the cost and what it leaves out (unpriced calls); the
+    unread attempts' estimate is one of those."""
+    read = cost.CostReport("1h", {"m": 0.5}, {}, {}, {}, 10, {})
+    assert "not read" not in cost.chart_title(read)
+    unread = cost.CostReport(
+        "1h", {"m": 0.5}, {}, {}, {}, 10, {}, unread_attempts=3, unread_input_tokens=3900,
+        unread_input_cost=0.0039,
+    )  # fmt: skip
+    title = cost.chart_title(unread)
+    assert title.startswith("Sift rerank, last 1h: 0.5000 USD")
+    assert "possibly billed, not read: 3 attempts, about 0.0039 USD of input (estimate)" in title
+
+
 def test_latency_is_shown_per_lane() -> None:
     latency: dict[str, dict[str, float | None]] = {
         "standard": {"p50": 1.25, "p95": 2.5, "p99": 3.0},
@@ -107,20 +159,22 @@ def test_json_prints_the_whole_report(monkeypatch: pytest.MonkeyPatch) -> None:
     report = cost.CostReport(
         "1d", {"m": 0.5, "n": 0.25}, {"input": 700.0}, {"applied": 3.0}, {"ok": 4.0}, 250,
         latency, unpriced_calls=2, cost_by_lane={"standard": 0.5, "economy": 0.25},
-        unread_attempts=3, unread_input_tokens=3900,
+        unread_attempts=3, unread_input_tokens=3900, unread_input_cost=0.0039,
     )  # fmt: skip
-    asked: list[tuple[str, str]] = []
+    asked: list[tuple[str, str, Mapping[str, Price]]] = []
 
-    def fetch(url: str, window: str) -> cost.CostReport:
-        asked.append((url, window))
+    def fetch(url: str, window: str, prices: Mapping[str, Price]) -> cost.CostReport:
+        asked.append((url, window, prices))
         return report
 
     monkeypatch.setattr(cost, "fetch_report", fetch)
     url = "http://prometheus:9090"
     args = ["cost", "--prometheus-url", url, "--window", "1d", "--json"]
-    run = CliRunner().invoke(app, args, env={"COLUMNS": "80"})
+    priced = '{"m": {"input": 2, "output": 10, "cache_read": 0.2, "cache_creation": 2.5}}'
+    run = CliRunner().invoke(app, args, env={"COLUMNS": "80", "SIFT_PRICES": priced})
     assert run.exit_code == 0, run.output
-    assert asked == [(url, "1d")]
+    assert [(u, w) for u, w, _ in asked] == [(url, "1d")]
+    assert asked[0][2]["m"].input == 2.0  # SIFT_PRICES prices the unread input
     assert json.loads(run.output) == {
         "prometheus_url": url,
         "window": "1d",
@@ -134,6 +188,8 @@ def test_json_prints_the_whole_report(monkeypatch: pytest.MonkeyPatch) -> None:
         "cost_by_lane": {"standard": 0.5, "economy": 0.25},
         "unread_attempts": 3,
         "unread_input_tokens": 3900,
+        "unread_input_cost": 0.0039,
+        "unread_unpriced_tokens": 0,
         "total_cost": 0.75,
         "cost_per_1k_searches": 3.0,
     }
@@ -148,7 +204,7 @@ def _cost_with_png(monkeypatch: pytest.MonkeyPatch, png: Path) -> tuple[Result, 
     """``sift cost --png PNG`` on a report made here; answers the run and the windows read."""
     asked: list[str] = []
 
-    def fetch(url: str, window: str) -> cost.CostReport:
+    def fetch(url: str, window: str, prices: Mapping[str, Price]) -> cost.CostReport:
         asked.append(window)
         return cost.CostReport("1h", {"m": 0.5}, {"input": 7.0}, {}, {}, 2, {})
 

@@ -16,7 +16,10 @@ the cost counter, so the report says so when there were any: its dollars are the
 Attempts sent that got no answer read (``sift_rerank_unread_attempts_total``: a timeout, a
 connection lost) may have been billed with no usage to say so: the report gives them and their
 estimated input tokens (``sift_rerank_unread_input_tokens_total``) apart, as what the provider
-may have billed on top of its figures: at most about that much input, and their output.
+may have billed on top of its figures: at most about that much input, and their output. It
+prices that input at each model's input price in ``SIFT_PRICES`` as this command reads it (the
+economy lane's at the Message Batches discount), an estimate: the tokens are, and the output
+such a call made is in no figure at all.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ from worker.cli._app import app
 from worker.cli._common import EXIT_ERROR, _err, option_error, setting_help, why_unwritable
 from worker.cli._output import counted, plain
 from worker.constants import (
+    ECONOMY_PRICE_DISCOUNT,
+    LANE_ECONOMY,
     METRIC_RERANK_ATTEMPTS,
     METRIC_RERANK_COST,
     METRIC_RERANK_DURATION,
@@ -50,8 +55,10 @@ from worker.constants import (
     METRIC_RERANK_UNREAD_INPUT,
     METRIC_SEARCH_DURATION,
 )
+from worker.core.cost import price_for
 from worker.errors import SiftError
-from worker.settings import load_settings
+from worker.prices import DEFAULT_PRICES, Price
+from worker.settings import Settings, load_settings
 
 console = Console(emoji=False)
 
@@ -83,6 +90,10 @@ class CostReport:
     # billed, in no figure above
     unread_attempts: float = 0.0
     unread_input_tokens: float = 0.0
+    # that input's dollars at its models' input prices, an estimate (unread_input_cost); the
+    # tokens of those to a model with no price are in no dollar figure
+    unread_input_cost: float = 0.0
+    unread_unpriced_tokens: float = 0.0
 
     @property
     def total_cost(self) -> float:
@@ -137,15 +148,51 @@ def increases_by(
     client: PrometheusClient, metric: str, window: str, label: str
 ) -> dict[str, float]:
     """Each ``label`` value's exact increase of ``metric`` in the window, over all its series."""
-    totals: dict[str, float] = defaultdict(float)
+    by = increases_by_labels(client, metric, window, (label,))
+    return {values[0]: increase for values, increase in by.items()}
+
+
+def increases_by_labels(
+    client: PrometheusClient, metric: str, window: str, labels: tuple[str, ...]
+) -> dict[tuple[str, ...], float]:
+    """Each ``labels`` values' exact increase of ``metric`` in the window, over all its series."""
+    totals: dict[tuple[str, ...], float] = defaultdict(float)
     for series in client.query(f"{metric}[{window}]"):
         values = [float(v) for _, v in series["values"]]
-        totals[series["metric"].get(label, "")] += counter_increase(values)
+        totals[tuple(series["metric"].get(label, "") for label in labels)] += counter_increase(
+            values
+        )
     return dict(totals)
 
 
-def fetch_report(url: str, window: str) -> CostReport:
-    """Read one window's report from the Prometheus at ``url``."""
+def unread_input_cost(
+    tokens: Mapping[tuple[str, ...], float], prices: Mapping[str, Price]
+) -> tuple[float, float]:
+    """The dollars of the unread attempts' estimated input tokens by (model, lane), each at
+    its model's input price, the economy lane's at the Message Batches discount (as the
+    workers price a call they read); and the tokens of models with no price, in no dollars.
+
+    >>> haiku = Price(input=1, output=5, cache_read=0.1, cache_creation=1.25)
+    >>> unread_input_cost(
+    ...     {("claude-haiku-4-5", "economy"): 2e6, ("claude-x", "standard"): 7.0},
+    ...     {"claude-haiku-4-5": haiku},
+    ... )
+    (1.0, 7.0)
+    """
+    dollars = unpriced = 0.0
+    for (model, lane), count in tokens.items():
+        price = price_for(model, prices)
+        if price is None:
+            unpriced += count
+            continue
+        discount = ECONOMY_PRICE_DISCOUNT if lane == LANE_ECONOMY else 1.0
+        dollars += count * price.input * discount / 1_000_000
+    return dollars, unpriced
+
+
+def fetch_report(url: str, window: str, prices: Mapping[str, Price] = DEFAULT_PRICES) -> CostReport:
+    """Read one window's report from the Prometheus at ``url``; ``prices`` (``SIFT_PRICES``)
+    price the unread attempts' input (the cost counter's dollars are the workers' own)."""
     with PrometheusClient(url) as client:
         latency: dict[str, dict[str, float | None]] = defaultdict(dict)
         for name, q in QUANTILES.items():
@@ -160,7 +207,10 @@ def fetch_report(url: str, window: str) -> CostReport:
         searches = increases_by(client, f"{METRIC_SEARCH_DURATION}_count", window, "__none__")
         unpriced = increases_by(client, METRIC_RERANK_UNPRICED, window, "__none__")
         unread = increases_by(client, METRIC_RERANK_UNREAD, window, "__none__")
-        unread_input = increases_by(client, METRIC_RERANK_UNREAD_INPUT, window, "__none__")
+        unread_input = increases_by_labels(
+            client, METRIC_RERANK_UNREAD_INPUT, window, ("model", "lane")
+        )
+        unread_cost, unread_unpriced = unread_input_cost(unread_input, prices)
         return CostReport(
             window=window,
             cost_by_model=increases_by(client, METRIC_RERANK_COST, window, "model"),
@@ -173,6 +223,8 @@ def fetch_report(url: str, window: str) -> CostReport:
             unpriced_calls=sum(unpriced.values()),
             unread_attempts=sum(unread.values()),
             unread_input_tokens=sum(unread_input.values()),
+            unread_input_cost=unread_cost,
+            unread_unpriced_tokens=unread_unpriced,
         )
 
 
@@ -227,11 +279,18 @@ def render(report: CostReport, url: str) -> Iterable[Table | str]:
             "which are too low"
         )
     if report.unread_attempts:
+        unpriced = (
+            f"; {report.unread_unpriced_tokens:,.0f} of those tokens, to a model with no price "
+            "in SIFT_PRICES, are not in it"
+            if report.unread_unpriced_tokens
+            else ""
+        )
         yield (
             f"possibly billed, not read: {report.unread_attempts:,.0f} attempts sent that got "
             "no answer (a timeout, a connection lost): the provider may have billed them, at "
-            f"most about {report.unread_input_tokens:,.0f} input tokens by estimate, and what "
-            "output they made; no figure above holds them"
+            f"most about {report.unread_input_tokens:,.0f} input tokens by estimate, about "
+            f"{report.unread_input_cost:.6f} USD at the input price (an estimate; the economy "
+            f"lane's at half{unpriced}), and what output they made; no figure above holds them"
         )
     yield _count_table("Tokens by type (summed: billed)", "type", report.tokens_by_type)
     yield _count_table("Rerank outcomes", "outcome", report.outcomes)
@@ -271,11 +330,11 @@ def check_png(path: Path) -> None:
         raise SiftError(f"--png: cannot write {path} ({why}); nothing was read")
 
 
-def write_chart(report: CostReport, path: Path) -> None:
-    """A PNG of the report: cost, tokens, attempts and outcomes. Needs ``sift[charts]``."""
-    figure = _figure_class()(figsize=(11, 8), layout="constrained")
+def chart_title(report: CostReport) -> str:
+    """The chart's title: the cost, and, on a line of their own, the calls it leaves out
+    (unpriced ones, and the attempts possibly billed and not read, at their estimate)."""
     per_1k = report.cost_per_1k_searches
-    figure.suptitle(
+    title = (
         f"Sift rerank, last {report.window}: {report.total_cost:.4f} USD"
         + (f", {per_1k:.4f} USD per 1,000 searches" if per_1k is not None else "")
         + (
@@ -284,6 +343,18 @@ def write_chart(report: CostReport, path: Path) -> None:
             else ""
         )
     )
+    if report.unread_attempts:
+        title += (
+            f"\npossibly billed, not read: {report.unread_attempts:,.0f} attempts, about "
+            f"{report.unread_input_cost:.4f} USD of input (estimate), not in the figures"
+        )
+    return title
+
+
+def write_chart(report: CostReport, path: Path) -> None:
+    """A PNG of the report: cost, tokens, attempts and outcomes. Needs ``sift[charts]``."""
+    figure = _figure_class()(figsize=(11, 8), layout="constrained")
+    figure.suptitle(chart_title(report))
     panels = [
         ("Cost by model (USD)", report.cost_by_model),
         ("Tokens by type", report.tokens_by_type),
@@ -298,12 +369,13 @@ def write_chart(report: CostReport, path: Path) -> None:
     figure.savefig(path, format="png", dpi=100)
 
 
-def _prometheus_url(option: str | None) -> str:
-    """The option's URL, else SIFT_PROMETHEUS_URL's; the option is checked as the setting is,
-    and a bad one is a usage error naming it (exit 2), not a Prometheus that did not answer."""
+def _settings(option: str | None) -> Settings:
+    """The settings, with the option's URL, else SIFT_PROMETHEUS_URL's; the option is checked
+    as the setting is, and a bad one is a usage error naming it (exit 2), not a Prometheus
+    that did not answer."""
     overrides = {} if option is None else {"prometheus_url": option}
     try:
-        return load_settings(**overrides).prometheus_url
+        return load_settings(**overrides)
     except SiftError as error:
         given = {name: "--prometheus-url" for name in overrides}
         if (named := option_error(error, given)) is not None:
@@ -325,10 +397,11 @@ def cost_command(
 ) -> None:
     """Rerank cost, tokens, outcomes, attempts and latency of the last hour or day."""
     try:
-        url = _prometheus_url(prometheus_url)
+        settings = _settings(prometheus_url)
+        url = settings.prometheus_url
         if png is not None:
             check_png(png)
-        report = fetch_report(url, window.value)
+        report = fetch_report(url, window.value, settings.prices)
         if json_out:
             typer.echo(json.dumps(as_json(report, url)))
         else:
