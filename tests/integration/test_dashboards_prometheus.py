@@ -186,11 +186,15 @@ def test_recording_rules_evaluate_on_real_data(observed: Observed) -> None:
         "sift:rerank_cost_usd_per_1k_searches:rate1h",
         "sift:rerank_attempt_error_ratio:rate5m",
         "sift:rerank_fallback_ratio:rate5m",
+        "sift:rerank_unread_ratio:rate5m",
     ):
         p.wait_for_value(f"count({record}) > bool 0", 1)  # one series per lane, or more
     # 11 of 17 attempts were not ok, the refusal among them; within the 5m window, all counted
     ratio = p.values("sift:rerank_attempt_error_ratio:rate5m")[""]
     assert ratio == pytest.approx(11 / 17, rel=1e-6)
+    # of the same 17 sent, those whose answer was never read (SiftRerankUnreadAttemptsHigh's)
+    unread = p.values("sift:rerank_unread_ratio:rate5m")[""]
+    assert unread == pytest.approx(workload.EXPECTED_UNREAD / 17, rel=1e-6)
 
 
 def test_sift_cost_reads_the_same_totals(observed: Observed, tmp_path: Path) -> None:
