@@ -138,70 +138,7 @@ class _VectorCache(_Pool):
                 if key in self._vectors:
                     self._vectors.move_to_end(key)  # now the most recently searched
                 return cached
-            old = cached.block
-            rows: npt.NDArray[np.intp] = np.arange(old.size)
-            if old.size:
-                alive = conn.execute(
-                    "SELECT count(*) FROM docs"
-                    " WHERE idx = ? AND tenant = ? AND has_vector AND seq <= ?",
-                    (index, tenant, cached.max_seq),
-                ).get
-                if alive < old.size:
-                    alive_seqs = np.fromiter(
-                        (
-                            s
-                            for (s,) in conn.execute(
-                                "SELECT seq FROM docs"
-                                " WHERE idx = ? AND tenant = ? AND has_vector AND seq <= ?",
-                                (index, tenant, cached.max_seq),
-                            )
-                        ),
-                        dtype=np.int64,
-                    )
-                    rows = np.flatnonzero(np.isin(old.seqs, alive_seqs))
-            more = cast(
-                list[tuple[int, str, str, str, bytes]],
-                conn.execute(
-                    "SELECT d.seq, d.id, d.revision, d.metadata, v.vector"
-                    " FROM docs AS d JOIN vectors AS v ON v.seq = d.seq"
-                    " WHERE d.idx = ? AND d.tenant = ? AND d.has_vector AND d.seq > ?"
-                    " ORDER BY d.seq",
-                    (index, tenant, cached.max_seq),
-                ).fetchall(),
-            )
-            whole = rows.size == old.size
-            block = old
-            if not more and rows.size == 0:
-                block = _Block()  # emptied (a drop): no spare rows of the old width kept
-            elif more or not whole:
-                ids = _kept(old.ids, rows, whole) + [r[1] for r in more]
-                revisions = _kept(old.revisions, rows, whole) + [r[2] for r in more]
-                metadata = _kept(old.metadata, rows, whole) + [r[3] for r in more]
-                block = _Block(
-                    seqs=np.concatenate([old.seqs[rows], np.array([r[0] for r in more], np.int64)]),
-                    ids=ids,
-                    revisions=revisions,
-                    metadata=metadata,
-                    matrix=_grow(old.matrix, old.size, rows, [r[4] for r in more]),
-                    strings=(
-                        old.strings + _strings([r[1:4] for r in more])
-                        if whole
-                        else _strings(zip(ids, revisions, metadata, strict=True))
-                    ),
-                )
-                logger.debug(
-                    "index %s of %s: %d vectors (+%d, -%d)",
-                    index,
-                    tenant,
-                    block.size,
-                    len(more),
-                    old.size - rows.size,
-                )
-            fresh = _Vectors(
-                generation=generation,
-                max_seq=max(cached.max_seq, more[-1][0] if more else 0),
-                block=block,
-            )
+            fresh = _load(conn, index, tenant, cached, generation)
             self._keep_vectors(key, fresh)
             return fresh
 
@@ -247,6 +184,77 @@ class _VectorCache(_Pool):
         for index, tenant in list(self._vectors):
             if not _holds(conn, index, tenant):
                 self._drop_vectors((index, tenant))
+
+
+def _load(
+    conn: apsw.Connection, index: str, tenant: str, cached: _Vectors, generation: int
+) -> _Vectors:
+    """The tenant's index's vectors as of ``generation``, from ``cached`` and its rows in
+    SQLite: the rows deleted since let go, the rows added since (``seq`` past its
+    ``max_seq``) appended, in its matrix's spare rows when it has them (:func:`_grow`)."""
+    old = cached.block
+    rows: npt.NDArray[np.intp] = np.arange(old.size)
+    if old.size:
+        alive = conn.execute(
+            "SELECT count(*) FROM docs WHERE idx = ? AND tenant = ? AND has_vector AND seq <= ?",
+            (index, tenant, cached.max_seq),
+        ).get
+        if alive < old.size:
+            alive_seqs = np.fromiter(
+                (
+                    s
+                    for (s,) in conn.execute(
+                        "SELECT seq FROM docs"
+                        " WHERE idx = ? AND tenant = ? AND has_vector AND seq <= ?",
+                        (index, tenant, cached.max_seq),
+                    )
+                ),
+                dtype=np.int64,
+            )
+            rows = np.flatnonzero(np.isin(old.seqs, alive_seqs))
+    more = cast(
+        list[tuple[int, str, str, str, bytes]],
+        conn.execute(
+            "SELECT d.seq, d.id, d.revision, d.metadata, v.vector"
+            " FROM docs AS d JOIN vectors AS v ON v.seq = d.seq"
+            " WHERE d.idx = ? AND d.tenant = ? AND d.has_vector AND d.seq > ?"
+            " ORDER BY d.seq",
+            (index, tenant, cached.max_seq),
+        ).fetchall(),
+    )
+    whole = rows.size == old.size
+    block = old
+    if not more and rows.size == 0:
+        block = _Block()  # emptied (a drop): no spare rows of the old width kept
+    elif more or not whole:
+        ids = _kept(old.ids, rows, whole) + [r[1] for r in more]
+        revisions = _kept(old.revisions, rows, whole) + [r[2] for r in more]
+        metadata = _kept(old.metadata, rows, whole) + [r[3] for r in more]
+        block = _Block(
+            seqs=np.concatenate([old.seqs[rows], np.array([r[0] for r in more], np.int64)]),
+            ids=ids,
+            revisions=revisions,
+            metadata=metadata,
+            matrix=_grow(old.matrix, old.size, rows, [r[4] for r in more]),
+            strings=(
+                old.strings + _strings([r[1:4] for r in more])
+                if whole
+                else _strings(zip(ids, revisions, metadata, strict=True))
+            ),
+        )
+        logger.debug(
+            "index %s of %s: %d vectors (+%d, -%d)",
+            index,
+            tenant,
+            block.size,
+            len(more),
+            old.size - rows.size,
+        )
+    return _Vectors(
+        generation=generation,
+        max_seq=max(cached.max_seq, more[-1][0] if more else 0),
+        block=block,
+    )
 
 
 def _weight(document: Document) -> int:
