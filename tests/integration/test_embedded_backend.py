@@ -10,6 +10,7 @@ import unicodedata
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import apsw
 import numpy as np
@@ -644,6 +645,38 @@ def test_an_index_alone_past_the_vector_budget_is_kept_for_its_searches(
     assert backend._vectors[("idx", "a")].block is block  # not loaded again
     search("b")
     assert list(backend._vectors) == [("idx", "b")]
+    backend.close()
+
+
+def test_a_vector_load_holds_no_lock_the_process_s_other_operations_need(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kNN search that loads its index's block (0.34 s of CPU for 100,000 documents, and
+    again after each time the budget lets it go) reads SQLite and builds the matrix without
+    the backend's lock, which every operation of the process takes to borrow a connection:
+    held, another index's BM25 search, a write or a probe in another thread waited for the
+    whole load. Seen from inside the load (its matrix's build), the lock is free, the
+    index's own load lock is held (two loads of one index would append to the same spare
+    rows), and a search of another index runs to its end there."""
+    backend = EmbeddedBackend(tmp_path)
+    vectors = _unit_rows(20, 8, 0)
+    backend.upsert("idx", "acme", [Document(f"d{i}", "x", "") for i in range(20)], vectors)
+    backend.upsert("other", "acme", [Document("o1", "needle text", "")], None)
+    seen: list[object] = []
+    grow = embedded._caches._grow
+
+    def watched(*args: Any) -> Any:
+        seen.append(backend._lock.locked())
+        if not seen[0] and len(seen) == 1:  # held, this search would wait for ever
+            seen.append(backend._load_lock(("idx", "acme")).locked())
+            query = ChannelQuery("other", HardFilters("acme"), ("bm25",), 5, "needle")
+            seen.append([hit.document.id for hit in backend.retrieve(query).hits["bm25"]])
+        return grow(*args)
+
+    monkeypatch.setattr(embedded._caches, "_grow", watched)
+    query = ChannelQuery("idx", HardFilters("acme"), ("knn",), 3, "", vector=vectors[4])
+    assert backend.retrieve(query).hits["knn"][0].document.id == "d4"
+    assert seen == [False, True, ["o1"]]
     backend.close()
 
 

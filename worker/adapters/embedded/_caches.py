@@ -42,8 +42,8 @@ DOCUMENT_CACHE_BYTES = 64 * 1024 * 1024
 # rows), the least recently searched index's let go first. Without it a process kept every
 # block it ever loaded: a worker serving many tenants' indexes grew by 180 to 250 MB per
 # 100,000 documents it had searched, for as long as it ran. A block let go is loaded again
-# by its index's next kNN search, at about 3.5 ms of CPU per 1,000 rows, under the lock
-# (0.34 s for 100,000, a search of them in memory 8 ms: benchmarks/bench_vector_reload.py),
+# by its index's next kNN search, at about 3.5 ms of CPU per 1,000 rows (0.34 s for
+# 100,000, a search of them in memory 8 ms: benchmarks/bench_vector_reload.py),
 # so the budget keeps a process's working set: some 200,000 documents, two indexes at the
 # exact scan's intended size, about 1.2 GB a worker process at most with the model.
 VECTOR_CACHE_BYTES = 512 * 1024 * 1024
@@ -129,17 +129,28 @@ class _VectorCache(_Pool):
 
     def _refresh(self, conn: apsw.Connection, index: str, tenant: str, generation: int) -> _Vectors:
         """The tenant's index's vectors as of ``generation``, loading only rows added since
-        (and any other index's let go, once emptied: :meth:`_let_go_of_emptied`)."""
-        with self._lock:
-            self._let_go_of_emptied(conn, (index, tenant))
-            key = (index, tenant)
-            cached = self._vectors.get(key, _Vectors())
-            if cached.generation >= generation:
-                if key in self._vectors:
-                    self._vectors.move_to_end(key)  # now the most recently searched
-                return cached
+        (and any other index's let go, once emptied: :meth:`_let_go_of_emptied`).
+
+        The load runs outside the lock every operation of the process takes to borrow a
+        connection: 0.34 s of CPU for 100,000 rows, and again each time the byte budget let
+        the block go, during which another index's search, a write or a probe waited. It
+        holds its index's load lock instead (:meth:`_Pool._load_lock`), so two loads of one
+        index never run at once: an append writes its matrix's spare rows in place, and two
+        would write the same ones. A block cached meanwhile by a load of another snapshot
+        (one lock, in turn) is as good: a newer one is kept, as the lock held did before.
+        """
+        key = (index, tenant)
+        with self._load_lock(key):
+            with self._lock:
+                self._let_go_of_emptied(conn, key)
+                cached = self._vectors.get(key, _Vectors())
+                if cached.generation >= generation:
+                    if key in self._vectors:
+                        self._vectors.move_to_end(key)  # now the most recently searched
+                    return cached
             fresh = _load(conn, index, tenant, cached, generation)
-            self._keep_vectors(key, fresh)
+            with self._lock:
+                self._keep_vectors(key, fresh)
             return fresh
 
     def _keep_vectors(self, key: tuple[str, str], vectors: _Vectors) -> None:

@@ -39,6 +39,10 @@ MMAP_BYTES = 1 << 30  # reads through the OS page cache, shared by every process
 #: ``worker.queue.config.ingest_redelivery_window``).
 TOMBSTONE_SECONDS = 27_000
 
+#: The vector loads' locks per process (:meth:`_Pool._load_lock`): more than a worker
+#: process's CPU slots, so loads of different indexes seldom wait for each other.
+LOAD_LOCKS = 64
+
 _UNAVAILABLE = (
     apsw.BusyError,
     apsw.LockedError,
@@ -77,6 +81,7 @@ class _Pool:
         # budget (_caches.VECTOR_CACHE_BYTES).
         self._vectors: OrderedDict[tuple[str, str], _Vectors] = OrderedDict()
         self._vector_bytes = 0
+        self._load_locks = _load_locks()  # one load of an index's vectors at a time
         self._schema_seen: int | None = None  # the schema version the caches were swept at
         self._connections: list[apsw.Connection] = []  # every open one, lent or idle
         self._idle: list[apsw.Connection] = []  # the pool: the last given back on top
@@ -103,6 +108,7 @@ class _Pool:
                 self._pid, self._connections = os.getpid(), []
                 self._idle, self._documents, self._document_bytes = [], OrderedDict(), 0
                 self._forget_vectors()
+                self._load_locks = _load_locks()  # one a parent's thread held stays held
             conn = self._idle.pop() if self._idle else None
             epoch = self._epoch
         if conn is None:
@@ -121,6 +127,12 @@ class _Pool:
                     conn.close()
                 else:
                     self._idle.append(conn)
+
+    def _load_lock(self, key: tuple[str, str]) -> threading.Lock:
+        """The lock a load of the tenant's index's vectors holds: one of
+        :data:`LOAD_LOCKS`, by the key's hash, so loads of two indexes run at once unless
+        their keys share one, and the locks are as many however many indexes there are."""
+        return self._load_locks[hash(key) % LOAD_LOCKS]
 
     def _forget_vectors(self) -> None:
         """Let go of every cached vector block (with the lock held); a search holding one
@@ -183,6 +195,10 @@ class _Pool:
             self._forget_vectors()
         for conn in connections:
             conn.close()
+
+
+def _load_locks() -> tuple[threading.Lock, ...]:
+    return tuple(threading.Lock() for _ in range(LOAD_LOCKS))
 
 
 @contextlib.contextmanager
