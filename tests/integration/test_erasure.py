@@ -31,6 +31,7 @@ from worker.constants import (
     REWRITE_INTERVAL_SECONDS,
     REWRITE_LATCH_KEY,
     REWRITE_OWED_KEY,
+    SEARCH_KEY,
     WEBHOOK_EVENT_SEARCH_COMPLETED,
     WEBHOOKS_OWED_KEY,
 )
@@ -85,7 +86,7 @@ def test_an_erased_search_is_not_written_back_by_a_late_run_or_webhook(store: Jo
     assert store.erase_job("search", "acme", job.id).status == "running"
     assert store.finish_search(job.id, result=_result())
     store.note_outage(job.id, [0], ("done-msg", 0))  # final: nothing of it is sent again
-    assert store.redis.hkeys(REDRIVE_OUTAGES_KEY + job.id) == ["0", "m:run-msg:0"]
+    assert not store.redis.exists(REDRIVE_OUTAGES_KEY + job.id)  # its finish took the notes
     assert store.redis.zscore(WEBHOOKS_OWED_KEY, job.id) is not None  # its webhook is owed
     assert store.erase_job("search", "globex", job.id).outcome is EraseOutcome.MISSING
 
@@ -114,6 +115,56 @@ def test_an_erased_search_is_not_written_back_by_a_late_run_or_webhook(store: Jo
     left = sorted(_naming(store, job.id, query))
     assert left == sorted([ERASED_KEY + job.id, *store.redis.scan_iter(f"{IDEMPOTENCY_KEY}*")])
     assert store.was_erased(job.id)
+
+
+def _named(store: JobStore, job_id: str) -> list[str]:
+    return sorted(key for key in store.redis.scan_iter(count=1000) if job_id in key)
+
+
+def test_a_jobs_final_move_takes_its_outage_notes_so_no_key_names_it_past_its_record(
+    store: JobStore,
+) -> None:
+    """The notes a run that Redis unreachable ended left (sift:redrive-outages:<id>) go with
+    the job's final move: a final job is never re-driven, and an erase or purge made by an
+    older release, whose key lists predate the notes, deletes the record and leaves no key
+    naming the job (a search's, a batch's completed by its last item, one completed by a
+    cancel)."""
+    job = store.create_search("acme", SearchSpec(index="docs", query="q"), webhook_url=HOOK)
+    assert store.start_search(job.id)
+    store.note_outage(job.id, [0], ("run-msg", 0))
+    assert store.count_delivery("run-msg", 0, job.id) == 0  # its message back, uncounted
+    store.note_outage(job.id, [0], ("run-msg", 1))
+    assert _named(store, job.id) == [REDRIVE_OUTAGES_KEY + job.id, SEARCH_KEY + job.id]
+    assert store.finish_search(job.id, result=_result())
+    assert _named(store, job.id) == [SEARCH_KEY + job.id]
+
+    items = [(f"q{n}", SearchSpec(index="docs", query="q")) for n in range(2)]
+    ended, canceled = (store.create_batch("acme", "docs", items) for _ in range(2))
+    for batch in (ended, canceled):
+        assert store.start_item(batch.id, "q0")
+        store.note_outage(batch.id, [0, 1], ("chunk-msg", 0))
+        store.finish_item(batch.id, "q0", result=_result())
+        assert store.redis.exists(REDRIVE_OUTAGES_KEY + batch.id)
+    assert store.start_item(ended.id, "q1")
+    assert store.finish_item(ended.id, "q1", result=_result()).batch_completed
+    assert not store.redis.exists(REDRIVE_OUTAGES_KEY + ended.id)
+    # the cancel's messages come after the notes in its script's keys: each in its own list
+    completed = store.cancel_batch(
+        canceled.id, announce=[("hook-q", "hook")], count=("count-q", "count")
+    )
+    assert completed == (1, True)
+    assert not store.redis.exists(REDRIVE_OUTAGES_KEY + canceled.id)
+    assert [store.redis.lrange(q, 0, -1) for q in ("hook-q", "count-q")] == [["hook"], ["count"]]
+    open_batch = store.create_batch("acme", "docs", items)
+    assert store.start_item(open_batch.id, "q0")
+    store.note_outage(open_batch.id, [0], ("chunk-msg", 0))
+    left_open = store.cancel_batch(
+        open_batch.id, count=("count-q", "count 2"), provider=("provider-q", "provider")
+    )
+    assert left_open == (1, False)  # q0 runs on: its notes stay, as the batch is not final
+    assert store.redis.exists(REDRIVE_OUTAGES_KEY + open_batch.id)
+    assert store.redis.lrange("provider-q", 0, -1) == ["provider"]
+    assert store.redis.lrange("count-q", 0, -1) == ["count 2", "count"]
 
 
 def test_an_erased_batch_is_not_written_back_by_a_late_item_or_economy_step(

@@ -29,6 +29,7 @@ from worker.constants import (
     ECONOMY_RUNS_KEY,
     ECONOMY_STATE_KEY,
     LANE_STANDARD,
+    REDRIVE_OUTAGES_KEY,
     STATS_KEY,
     WEBHOOKS_OWED_KEY,
 )
@@ -373,6 +374,7 @@ class BatchRecords(_StoreCore):
             ACTIVE_JOBS_KEY,
             WEBHOOKS_OWED_KEY,
             *[prefix + batch_id for prefix in _CANCEL_RETAINED],
+            REDRIVE_OUTAGES_KEY + batch_id,
             *[key for key, _ in messages],
         ]
         args = [

@@ -41,6 +41,7 @@ from worker.constants import (
     ECONOMY_PROVIDERS_KEY,
     ECONOMY_RUNS_KEY,
     ECONOMY_STATE_KEY,
+    REDRIVE_OUTAGES_KEY,
     RESULT_TTL_SECONDS,
     STATS_KEY,
     STATS_UNTRACKED_KEY,
@@ -266,7 +267,13 @@ class _StoreCore:
         for name, value in (fields or {}).items():
             args += [name, value]
         stats = STATS_KEY if count else STATS_UNTRACKED_KEY
-        keys = [prefix + job_id, stats, ACTIVE_JOBS_KEY, WEBHOOKS_OWED_KEY]
+        keys = [
+            prefix + job_id,
+            stats,
+            ACTIVE_JOBS_KEY,
+            WEBHOOKS_OWED_KEY,
+            REDRIVE_OUTAGES_KEY + job_id,
+        ]
         (code,) = self._transitions.call([(self._transition_job, keys, args)])
         if isinstance(code, Exception):
             raise code
@@ -325,6 +332,7 @@ class _StoreCore:
                     ECONOMY_RUNS_KEY + batch_id,
                     ECONOMY_PROVIDERS_KEY + batch_id,
                     ECONOMY_STATE_KEY + batch_id,
+                    REDRIVE_OUTAGES_KEY + batch_id,
                 ],
                 [
                     query_id,
