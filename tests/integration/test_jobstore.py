@@ -45,6 +45,7 @@ from worker.queue.jobstore import (
     JobStore,
 )
 from worker.queue.jobstore.batches import STAGES
+from worker.queue.jobstore.jobindex import job_index_key
 from worker.queue.jobstore.searches import _create_search_call, _new_search
 
 pytestmark = pytest.mark.integration
@@ -167,6 +168,45 @@ def test_a_webhook_an_older_release_settled_stays_unknown(store: JobStore) -> No
     store.webhook_settled(job.id, "failed", 2)
     assert (got := store.get_search(job.id)) is not None and got.webhook is None
     assert store.redis.hget(SEARCH_KEY + job.id, "webhook_settled") == "1"
+
+
+def test_a_webhook_a_release_before_its_fields_sent_is_unknown_not_pending(
+    store: JobStore,
+) -> None:
+    """A final job a release before 86d62aa ended (a293bac: no webhook field, only
+    ``webhook_url``, and no ``sift:webhooks-owed``, whose worker sent the webhook itself)
+    shows null, not ``pending`` with 0 attempts forever; a final job of today's whose
+    webhook is owed still shows ``pending``, in its GET and in the batch list."""
+    from worker.queue.jobstore import WebhookState
+
+    hook = "https://hooks.example/x"
+    old_search, old_batch = "srch_" + "0" * 32, "bat_" + "0" * 32
+    at = repr(time.time())
+    store.redis.hset(SEARCH_KEY + old_search, mapping={  # the fields a293bac wrote
+        "kind": "search", "tenant": "acme", "status": "succeeded",
+        "spec": spec().model_dump_json(), "webhook_url": hook, "created_at": at,
+        "started_at": at, "finished_at": at, "result": result("s").model_dump_json(),
+    })  # fmt: skip
+    store.redis.hset(BATCH_KEY + old_batch, mapping={
+        "tenant": "acme", "index": "docs", "lane": "standard", "rerank": "",
+        "webhook_url": hook, "total": "1", "created_at": at, "finished_at": at,
+    })  # fmt: skip
+    store.redis.hset(BATCH_COUNTS_KEY + old_batch, mapping={"succeeded": 1})
+    store.redis.zadd(job_index_key("batch", "acme"), {old_batch: float(at)})
+    search = store.create_search("acme", spec(), webhook_url=hook)
+    batch = store.create_batch("acme", "docs", [("a", spec())], webhook_url=hook)
+    assert store.start_search(search.id) and store.finish_search(search.id, result=result("s"))
+    assert store.start_item(batch.id, "a") and store.finish_item(batch.id, "a", result=result("a"))
+
+    pending = WebhookState("pending", 0)
+    got = [store.get_search(old_search), store.get_batch(old_batch)]
+    assert [job.webhook if job else "gone" for job in got] == [None, None]
+    got = [store.get_search(search.id), store.get_batch(batch.id)]
+    assert [job.webhook if job else "gone" for job in got] == [pending, pending]
+    listed = store.list_batches("acme", status=None, after=None, page_size=10).jobs
+    assert {job.id: job.webhook for job in listed} == {old_batch: None, batch.id: pending}
+    running = store.create_search("acme", spec(), webhook_url=hook)  # not final: none sent
+    assert (got_running := store.get_search(running.id)) and got_running.webhook == pending
 
 
 def test_a_redelivered_item_never_produces_a_second_result(store: JobStore) -> None:

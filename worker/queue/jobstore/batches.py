@@ -133,8 +133,11 @@ def _stage_seconds(raw: dict[str, str]) -> dict[str, float]:
     return dict(sorted(found.items(), key=lambda item: order.get(item[0], len(order))))
 
 
-def _batch_of(batch_id: str, raw: dict[str, str], counts: dict[str, str]) -> BatchJob | None:
-    """The batch its record and counts hashes make, None if the record is gone."""
+def _batch_of(
+    batch_id: str, raw: dict[str, str], counts: dict[str, str], *, owed: bool
+) -> BatchJob | None:
+    """The batch its record and counts hashes make, None if the record is gone; ``owed``:
+    whether its webhook is in ``sift:webhooks-owed`` (:func:`webhook_state`)."""
     if not raw:
         return None
     rerank = raw.get("rerank", "")
@@ -156,7 +159,7 @@ def _batch_of(batch_id: str, raw: dict[str, str], counts: dict[str, str]) -> Bat
             {name: int(raw.get("rerank_" + name, 0)) for name in RERANK_OUTCOMES} if known else None
         ),
         stage_seconds=_stage_seconds(raw) if known else None,
-        webhook=webhook_state(raw),
+        webhook=webhook_state(raw, owed=owed),
     )
 
 
@@ -301,11 +304,15 @@ class BatchRecords(_StoreCore):
             pipe.lpush(key, raw)
 
     def get_batch(self, batch_id: str) -> BatchJob | None:
-        pipe = self.redis.pipeline(transaction=False)
+        # one snapshot, as a search's GET reads it (SearchRecords.get_search)
+        pipe = self.redis.pipeline(transaction=True)
         pipe.hgetall(BATCH_KEY + batch_id)
         pipe.hgetall(BATCH_COUNTS_KEY + batch_id)
-        raw, counts = cast(list[dict[str, str]], pipe.execute())
-        return _batch_of(batch_id, raw, counts)
+        pipe.zscore(WEBHOOKS_OWED_KEY, batch_id)
+        raw, counts, owed = cast(
+            tuple[dict[str, str], dict[str, str], float | None], pipe.execute()
+        )
+        return _batch_of(batch_id, raw, counts, owed=owed is not None)
 
     def batch_query_ids(self, batch_id: str, start: int, stop: int) -> list[str]:
         """Query ids ``start`` (inclusive) to ``stop`` (exclusive), in submission order."""

@@ -15,7 +15,14 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar, cast
 
-from worker.constants import BATCH_COUNTS_KEY, BATCH_KEY, INGEST_KEY, MAX_LIST_SCAN, SEARCH_KEY
+from worker.constants import (
+    BATCH_COUNTS_KEY,
+    BATCH_KEY,
+    INGEST_KEY,
+    MAX_LIST_SCAN,
+    SEARCH_KEY,
+    WEBHOOKS_OWED_KEY,
+)
 from worker.contract import JobStatus
 from worker.queue.jobstore.batches import _batch_of
 from worker.queue.jobstore.ingests import _ingest_of
@@ -141,19 +148,26 @@ class JobListing(_StoreCore):
         for job_id in ids:
             pipe.hmget(SEARCH_KEY + job_id, _SEARCH_FIELDS)
         replies = cast(list[list[str | None]], pipe.execute())
+        # a search's entry shows no webhook (its fields are not read)
         return [
-            _search_of(job_id, {k: v for k, v in zip(_SEARCH_FIELDS, values, strict=True) if v})
+            _search_of(
+                job_id, {k: v for k, v in zip(_SEARCH_FIELDS, values, strict=True) if v}, owed=True
+            )
             for job_id, values in zip(ids, replies, strict=True)
         ]
 
     def _batches(self, ids: Sequence[str]) -> list[BatchJob | None]:
-        pipe = self.redis.pipeline(transaction=False)
+        # one snapshot: an entry shows its webhook, as a batch's GET does (get_batch)
+        pipe = self.redis.pipeline(transaction=True)
         for batch_id in ids:
             pipe.hgetall(BATCH_KEY + batch_id)
             pipe.hgetall(BATCH_COUNTS_KEY + batch_id)
-        replies = cast(list[dict[str, str]], pipe.execute())
+            pipe.zscore(WEBHOOKS_OWED_KEY, batch_id)
+        replies = pipe.execute()
         return [
-            _batch_of(batch_id, replies[2 * i], replies[2 * i + 1])
+            _batch_of(
+                batch_id, replies[3 * i], replies[3 * i + 1], owed=replies[3 * i + 2] is not None
+            )
             for i, batch_id in enumerate(ids)
         ]
 

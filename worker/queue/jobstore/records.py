@@ -48,19 +48,28 @@ class WebhookState:
     attempts: int
 
 
-def webhook_state(raw: dict[str, str]) -> WebhookState | None:
-    """The webhook state a job's record fields say; None without a webhook, or for one an
-    older Sift settled without saying how it ended.
+def webhook_state(raw: dict[str, str], *, owed: bool) -> WebhookState | None:
+    """The webhook state a job's record fields say, ``owed`` whether ``sift:webhooks-owed``
+    holds the job; None without a webhook, or when how it stands is not known: one an older
+    Sift settled without saying how it ended, or that of a final job a release before
+    86d62aa ended, which wrote no webhook field at all. Today's final move records the
+    webhook owed in the script that makes the job final, and it stays owed until the script
+    that settles it writes how it ended, so a final job with neither a field nor that entry
+    had its webhook sent (or given up) by an older worker: ``pending, 0 attempts`` forever,
+    as it read before, said that it never was.
 
-    >>> webhook_state({})
-    >>> webhook_state({"webhook_url": "https://h.example/x"})
+    >>> webhook_state({}, owed=False)
+    >>> webhook_state({"webhook_url": "https://h.example/x"}, owed=False)
     WebhookState(status='pending', attempts=0)
-    >>> webhook_state({"webhook_url": "https://h.example/x", "webhook_attempt": "3"})
+    >>> webhook_state({"webhook_url": "https://h.example/x", "finished_at": "1.0"}, owed=True)
+    WebhookState(status='pending', attempts=0)
+    >>> webhook_state({"webhook_url": "https://h.example/x", "finished_at": "1.0"}, owed=False)
+    >>> webhook_state({"webhook_url": "https://h.example/x", "webhook_attempt": "3"}, owed=True)
     WebhookState(status='retrying', attempts=2)
     >>> webhook_state({"webhook_url": "https://h.example/x", "webhook_attempt": "3",
-    ...                "webhook_settled": "delivered", "webhook_attempts": "3"})
+    ...                "webhook_settled": "delivered", "webhook_attempts": "3"}, owed=False)
     WebhookState(status='delivered', attempts=3)
-    >>> webhook_state({"webhook_url": "https://h.example/x", "webhook_settled": "1"})
+    >>> webhook_state({"webhook_url": "https://h.example/x", "webhook_settled": "1"}, owed=False)
     """
     if not raw.get("webhook_url"):
         return None
@@ -73,6 +82,8 @@ def webhook_state(raw: dict[str, str]) -> WebhookState | None:
     retry = raw.get("webhook_attempt")  # the attempt a recorded retry makes next
     if retry:
         return WebhookState("retrying", int(retry) - 1)
+    if raw.get("finished_at") and not owed:
+        return None
     return WebhookState("pending", 0)
 
 
@@ -115,6 +126,7 @@ class SearchJob:
     result: SearchResult | None = None
     error: ErrorInfo | None = None
     webhook: WebhookState | None = None  # None: no webhook_url, or an older Sift settled it
+    # (how is not known: webhook_state)
 
 
 @dataclass(slots=True)
@@ -161,6 +173,7 @@ class BatchJob:
     rerank_outcomes: dict[str, int] | None = field(default_factory=dict)
     stage_seconds: dict[str, float] | None = field(default_factory=dict)
     webhook: WebhookState | None = None  # None: no webhook_url, or an older Sift settled it
+    # (how is not known: webhook_state)
 
     @property
     def status(self) -> JobStatus:

@@ -13,6 +13,7 @@ from worker.constants import (
     SEARCH_ID_PREFIX,
     SEARCH_KEY,
     STATS_KEY,
+    WEBHOOKS_OWED_KEY,
 )
 from worker.contract import ErrorInfo, JobStatus, SearchResult, SearchSpec
 from worker.queue.jobstore.idempotency import (
@@ -43,7 +44,7 @@ def _new_search(tenant: str, spec: SearchSpec, webhook_url: str | None) -> Searc
         spec=spec,
         created_at=_now(),
         webhook_url=webhook_url,
-        webhook=webhook_state({"webhook_url": webhook_url or ""}),
+        webhook=webhook_state({"webhook_url": webhook_url or ""}, owed=False),
     )
 
 
@@ -81,8 +82,9 @@ def _search_created(job: SearchJob, reply: Any, claim: IdempotencyRef | None) ->
     return job
 
 
-def _search_of(job_id: str, raw: dict[str, str]) -> SearchJob | None:
-    """The search a record's fields make (``result`` only if read), None if it is none."""
+def _search_of(job_id: str, raw: dict[str, str], *, owed: bool) -> SearchJob | None:
+    """The search a record's fields make (``result`` only if read), None if it is none;
+    ``owed``: whether its webhook is in ``sift:webhooks-owed`` (:func:`webhook_state`)."""
     if not raw or raw.get("kind") != "search":
         return None
     return SearchJob(
@@ -96,7 +98,7 @@ def _search_of(job_id: str, raw: dict[str, str]) -> SearchJob | None:
         finished_at=_opt_float(raw.get("finished_at")),
         result=SearchResult.model_validate_json(raw["result"]) if raw.get("result") else None,
         error=ErrorInfo.model_validate_json(raw["error"]) if raw.get("error") else None,
-        webhook=webhook_state(raw),
+        webhook=webhook_state(raw, owed=owed),
     )
 
 
@@ -120,7 +122,13 @@ class SearchRecords(_StoreCore):
         return _search_created(job, self._create_search(keys=keys, args=args), claim)
 
     def get_search(self, job_id: str) -> SearchJob | None:
-        return _search_of(job_id, cast(dict[str, str], self.redis.hgetall(SEARCH_KEY + job_id)))
+        # one snapshot: the script that settles a webhook writes the record and drops the
+        # entry together, so a read between the two would find neither
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hgetall(SEARCH_KEY + job_id)
+        pipe.zscore(WEBHOOKS_OWED_KEY, job_id)
+        raw, owed = cast(tuple[dict[str, str], float | None], pipe.execute())
+        return _search_of(job_id, raw, owed=owed is not None)
 
     def get_search_status(self, job_id: str) -> JobStatus | None:
         return self._status(SEARCH_KEY + job_id)
