@@ -497,6 +497,42 @@ def test_the_worker_autoscaler_targets_the_worker_deployment(
         assert not any(kind == "ScaledObject" for kind, _ in kinds)
 
 
+def _upgrade_commands() -> str:
+    """The commands deploy/README.md §8 gives to stop the workers before an upgrade."""
+    text = (DEPLOY / "README.md").read_text()
+    section = text[text.index("## 8. Upgrading") :]
+    start = section.index("**Stopping the workers first on Kubernetes.**")
+    block = section[section.index("```bash", start) :]
+    return block[: block.index("```", len("```bash"))]
+
+
+def test_the_upgrade_steps_take_the_workers_from_their_autoscaler_by_its_manifest_names(
+    manifests: tuple[str, list[dict[str, Any]]],
+) -> None:
+    """§8's steps for an upgrade that stops the workers first: the autoscaler of each
+    variant would bring a worker scaled to 0 back (or the Deployment rolls them), so the
+    steps pause KEDA at 0 (autoscaling.keda.sh/paused-replicas, then remove it) or remove
+    the HPA, naming the objects, namespace and pod labels the manifests define."""
+    variant, docs = manifests
+    kinds = by_kind(docs)
+    commands = _upgrade_commands()
+    worker = kinds["Deployment", "sift-worker"]
+    labels = worker["spec"]["template"]["metadata"]["labels"]
+    assert "strategy" not in worker["spec"], "the workers no longer roll: revise §8"
+    namespace = worker["metadata"]["namespace"]
+    assert {namespace} == set(re.findall(r"kubectl -n (\S+)", commands))
+    (label,) = re.findall(r"-l (\S+)=(\S+)", commands)
+    assert labels[label[0]] == label[1]
+    if variant == "keda":
+        assert kinds["ScaledObject", "sift-worker"]["spec"]["minReplicaCount"] > 0
+        pause = "annotate scaledobject sift-worker autoscaling.keda.sh/paused-replicas"
+        assert f'{pause}="0"' in commands and f"{pause}-" in commands
+    else:
+        assert kinds["HorizontalPodAutoscaler", "sift-worker"]["spec"]["minReplicas"] > 0
+        assert "delete hpa sift-worker" in commands
+        assert "apply -k deploy/k8s " in commands and "deploy/k8s/hpa" in commands
+
+
 def consumed_lists() -> list[str]:
     """The Redis lists the workers take messages from: every queue ``sift worker`` consumes
     by default (``-Q``: ALL_QUEUES, as in Celery's ``task_queues``), each in its own list
