@@ -31,6 +31,7 @@ from worker.constants import (
 from worker.contract import RerankInfo, SearchResult, SearchSpec
 from worker.observability import metrics
 from worker.queue.base import WorkerContext
+from worker.queue.economy.cancel import cancel_economy_batch
 from worker.queue.economy.deletion import ask_refused_again, delete_erased, delete_provider_batch
 from worker.queue.jobstore import EraseOutcome, JobStore
 from worker.runtime.ratelimit import ProviderLimiter
@@ -367,3 +368,62 @@ def test_a_candidate_whose_judgement_the_key_refuses_is_judged_again_when_a_work
     assert ask_refused_again(store, lambda *args: sent.append(args)) == 1
     delete_erased(task, *sent[0])  # type: ignore[arg-type]
     assert _held(model) == set() and store.refused_batches() == []
+
+
+def test_an_erase_a_worker_without_the_model_takes_is_deleted_by_one_with_it(
+    model: FakeAnthropic,
+    client: AnthropicMessageBatches,
+    store: JobStore,
+    redis_url: str,
+    tmp_path: Path,
+) -> None:
+    """The deployment turned rerank off (no ``SIFT_GENERATION_MODEL``) after an economy
+    batch ran, then the batch is erased: the worker that takes the delete cannot ask the
+    provider, and asks again at the poll's cadence; once a worker with the model runs, the
+    provider batch is deleted. Before, the first worker logged the ids and acked the message:
+    nothing read ``sift:eco-delete:<batch>`` again, and the provider kept the batch."""
+    provider_id = _made(client)
+    record = {"round": 1, "requests": 1, "created_at": 1.0, "ended_at": 2.0}
+    sender = OutboxSender(store)
+
+    def message_of(batch_id: str) -> tuple[str, str]:  # the erase's own: the real task's
+        return sender.messages([(ECONOMY_DELETE_TASK, [batch_id], SEARCH_QUEUE)])[0]
+
+    batch_id = _erased_batch(store, {provider_id: record}, message_of)
+    env = {"SIFT_REDIS_URL": redis_url, "SIFT_WORKER_METRICS_PORT": "0",
+           "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1", "SIFT_REDRIVE_INTERVAL_SECONDS": "0",
+           "SIFT_ECONOMY_POLL_SECONDS": "1"}  # fmt: skip
+    with celery_worker(tmp_path, env, "nomodel", concurrency=2):
+        _until(lambda: "not deleted" in (tmp_path / "nomodel.log").read_text())
+    assert _held(model) == {provider_id}
+    assert store.provider_deletions(batch_id) == [provider_id]
+    model_env = {**env, "SIFT_GENERATION_MODEL": f"anthropic:{MODEL}",
+                 "ANTHROPIC_BASE_URL": model.url, "ANTHROPIC_API_KEY": "sk-ant-test"}  # fmt: skip
+    with celery_worker(tmp_path, model_env, "model", concurrency=2):
+        _until(lambda: _held(model) == set())
+        _until(lambda: not store.provider_deletions(batch_id))
+    assert store.redis.keys(f"*{batch_id}*") == [f"sift:erased:{batch_id}"]
+
+
+def test_a_cancel_without_the_model_is_asked_again_at_the_poll_cadence(
+    model: FakeAnthropic, client: AnthropicMessageBatches, store: JobStore, redis_url: str
+) -> None:
+    """``sift.economy_cancel`` taken by a worker without ``SIFT_GENERATION_MODEL`` retries at
+    the poll's cadence (it failed, its message acked, and the provider batch ran on, billed);
+    the retry a worker with the model takes cancels it."""
+    model.configure(batch_processing_seconds=600.0, batch_cancel_seconds=0.0)
+    running = _made(client)
+    batch = store.create_batch("acme", "docs", [("q0", SearchSpec(index="docs", query="a"))])
+    record = {"round": 1, "requests": 1, "created_at": 1.0, "ended_at": None}
+    store.economy_save(batch.id, ECONOMY_PROVIDERS_KEY, {running: json.dumps(record)})
+    settings = load_settings(redis_url=redis_url)
+    without = _Task(WorkerContext(settings=settings, store=store, limiter=ProviderLimiter(1)))
+    with pytest.raises(Retry):
+        cancel_economy_batch(without, batch.id)  # type: ignore[arg-type]
+    assert without.countdowns == [settings.economy_poll_seconds]
+    assert [b["status"] for b in model.batches()] == ["in_progress"]
+    task = _Task(WorkerContext(settings=settings, store=store, limiter=ProviderLimiter(1),
+                               _batches=client))  # fmt: skip
+    task.app = SimpleNamespace(send_task=lambda *a, **kw: None)  # type: ignore[attr-defined]
+    cancel_economy_batch(task, batch.id)  # type: ignore[arg-type]
+    assert [b["status"] for b in model.batches()] != ["in_progress"]

@@ -20,7 +20,7 @@ from worker.errors import RerankAttemptError
 from worker.queue.base import SiftTask
 from worker.queue.economy.finish import cancel_item
 from worker.queue.economy.records import DOUBT, batches_client
-from worker.queue.economy.watch import send_anew
+from worker.queue.economy.watch import poll_countdown, send_anew
 
 if TYPE_CHECKING:
     from worker.adapters.anthropic_batches import AnthropicMessageBatches
@@ -99,7 +99,7 @@ def cancel_sent(store: JobStore, batch_id: str, provider_id: str) -> bool:
 
 
 @shared_task(  # type: ignore[untyped-decorator]
-    name=ECONOMY_CANCEL_TASK, base=SiftTask, bind=True
+    name=ECONOMY_CANCEL_TASK, base=SiftTask, bind=True, max_retries=None
 )
 def economy_cancel(self: SiftTask, batch_id: str) -> None:
     """:func:`cancel_economy_batch` of ``batch_id``."""
@@ -111,11 +111,21 @@ def cancel_economy_batch(task: SiftTask, batch_id: str) -> None:
     waiting on a create in doubt: its candidates are never canceled (each may be another
     client's), so no canceled line would end them; they would wait for every candidate to
     end, up to the provider's 24 hours. Should a candidate prove theirs, its lines find
-    them final and count for nothing (its cost is the price of not canceling another's)."""
+    them final and count for nothing (its cost is the price of not canceling another's).
+
+    A worker without ``SIFT_GENERATION_MODEL`` (rerank turned off since the batch ran) asks
+    again at the poll's cadence, for as long as the batch's provider batches are recorded: a
+    worker with it takes a later try. The task failed there before, its message acked, and
+    the provider batches ran on to their end, billed."""
     store = task.context.store
     if not store.economy_fields(batch_id, ECONOMY_PROVIDERS_KEY):
         return
-    client = batches_client(task)
+    try:
+        client = batches_client(task)
+    except RerankAttemptError as exc:
+        log.error("batch %s: provider batches not canceled yet, asked again later: %s",
+                  batch_id, exc)  # fmt: skip
+        raise task.retry(countdown=poll_countdown(task), args=[batch_id]) from exc
     for provider_id in open_provider_batches(store, batch_id):
         if cancel_quietly(store, batch_id, client, provider_id):
             send_anew(task, batch_id, provider_id, CANCELED_POLL_SECONDS)

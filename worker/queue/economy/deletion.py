@@ -13,8 +13,11 @@ so each of its provider batches has ended, or is canceling (a canceled Sift batc
 still processing (its items failed by the economy deadline, say): such a one is canceled,
 and asked again later. A 404 is done (deleted already, or expired). A transient failure
 (429, 5xx, a timeout) is asked again later too, at the poll's cadence, for as long as the set
-lives (the erasure mark's retention, ``SIFT_RESULT_RETENTION_SECONDS``). A delete refused for
-the key (401: not valid; 403: not allowed to) is not asked again at each try: no retry
+lives (the erasure mark's retention, ``SIFT_RESULT_RETENTION_SECONDS``), and so is one a
+worker without ``SIFT_GENERATION_MODEL`` takes (rerank turned off since the batch ran): a
+worker with it takes a later try. Before, that worker logged the ids and acked the message,
+and nothing read the set again: the provider kept the batches for their 29 days. A delete
+refused for the key (401: not valid; 403: not allowed to) is not asked again at each try: no retry
 changes that answer until the key does, and it was asked every poll, an ERROR logged each
 time, for the whole retention. It is logged once at ERROR, naming the batch and the provider
 batch, counted (``sift_provider_batch_deletes_total{result="refused"}``) and kept aside among
@@ -135,10 +138,10 @@ def delete_erased(task: SiftTask, batch_id: str, refused_token: str = "") -> Non
         return
     try:
         client = batches_client(task)
-    except RerankAttemptError as exc:
-        log.error("batch %s: provider batches %s not deleted: %s", batch_id,
-                  store.provider_deletions(batch_id) + list(candidates), exc)  # fmt: skip
-        return
+    except RerankAttemptError as exc:  # no model on this worker: one with it may take the retry
+        log.error("batch %s: provider batches %s not deleted yet, asked again later: %s",
+                  batch_id, store.provider_deletions(batch_id) + list(candidates), exc)  # fmt: skip
+        raise task.retry(countdown=poll_countdown(task), args=[batch_id], kwargs={}) from exc
     waits = [
         wait
         for wait in (_judged(task, client, batch_id, *c) for c in candidates.items())
