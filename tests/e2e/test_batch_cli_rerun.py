@@ -150,3 +150,31 @@ def test_a_bad_document_id_names_the_field_as_the_line_spells_it(
     result = _sift(stack.idle_url, "ingest", str(source), "--index", INDEX)
     assert result.exit_code == 1, result.output
     assert "field '_id'" in result.output and "nothing was sent" in result.output, result.output
+
+
+def test_a_batch_erased_since_its_run_is_sent_again_as_a_new_one(
+    stack: Stack, corpus: object, queries: list[str], tmp_path: Path
+) -> None:
+    """A finished batch erased (``sift erase``), the same command run again sends the file as
+    a new batch and says why; run a third time, it picks that one up. Before, its key still
+    named the erased batch: the run failed with a bare ``410`` for the key's 24 hours."""
+    source, out = _queries(tmp_path, queries, "erase"), tmp_path / "results.jsonl"
+    args = ["batch", str(source), "--index", INDEX, "--out", str(out)]
+    before = _batches(stack, stack.live_url)
+    first_run = _sift(stack.live_url, *args)
+    assert first_run.exit_code == 0, first_run.output
+    (first,) = set(_batches(stack, stack.live_url)) - set(before)
+    erased = _sift(stack.live_url, "erase", first)
+    assert erased.exit_code == 0, erased.output
+    again = _sift(stack.live_url, *args)
+    assert again.exit_code == 0, again.output
+    said = " ".join(again.output.split())
+    assert "batch of this file was erased" in said and first in said, said
+    assert "sending the file as a new batch" in said, said
+    made = set(_batches(stack, stack.live_url)) - set(before)
+    assert first not in made and len(made) == 1, made
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["query_id"] for r in written) == sorted(f"erase{i}" for i in range(12))
+    third = _sift(stack.live_url, *args)
+    assert third.exit_code == 0 and "picked up" in third.output, third.output
+    assert set(_batches(stack, stack.live_url)) - set(before) == made

@@ -146,8 +146,9 @@ def batch_key(body: dict[str, Any]) -> str:
 
 
 def _key_after(key: str, canceled: str) -> str:
-    """The key to send once ``key`` answered ``canceled``, a batch canceled since: a key of
-    its own, the same for every run again, so the file's next batch is made once too."""
+    """The key to send once ``key`` answered ``canceled``, a batch canceled since (or
+    ``"erased"``, a batch erased since): a key of its own, the same for every run again, so
+    the file's next batch is made once too."""
     return "sift-batch-" + hashlib.sha256(f"{key} {canceled}".encode()).hexdigest()
 
 
@@ -180,16 +181,26 @@ def submit(client: Gateway, body: dict[str, Any], key: str) -> tuple[dict[str, A
     """Send the batch with the ``Idempotency-Key`` ``key``, again through a gateway or Redis
     restart; answers it and whether an earlier run made it (picked up). A batch of this
     body canceled since its run is not picked up: the file is sent again, as the next batch
-    of the chain of keys."""
+    of the chain of keys. So is one erased since (``sift erase``), said on stderr: its key
+    answers ``410 erased`` for its 24 hours, and the run failed with that bare answer."""
     # one key for every resend: a submit whose answer was lost (the gateway restarting) is
     # answered with the batch it made, never made twice. A send whose gateway died between
     # claiming the key and making the batch leaves it 409 "in progress" for the pending
     # marker's life from that claim, which may come late in the window: the submit outwaits it
     window = RETRY_SECONDS + IDEMPOTENCY_PENDING_TTL_SECONDS
     while True:
-        response = client.request(
-            "POST", "/v1/batches", json=body, headers={"Idempotency-Key": key}, retry_for=window
-        )
+        try:
+            response = client.request(
+                "POST", "/v1/batches", json=body, headers={"Idempotency-Key": key},
+                retry_for=window,
+            )  # fmt: skip
+        except GatewayError as exc:
+            if exc.status_code != HTTPStatus.GONE:  # on a POST, only a replay of an erased one
+                raise
+            _err().print(f"an earlier run's batch of this file was erased ({exc.message}); "
+                         "sending the file as a new batch", soft_wrap=True)  # fmt: skip
+            key = _key_after(key, "erased")
+            continue
         batch = sift_answer(
             json_of(response, "POST", "/v1/batches"), "POST", "/v1/batches", ("id", "status")
         )
@@ -301,7 +312,7 @@ def batch(
     Run again with the same file and options within 24 hours, it picks up the batch its
     earlier run sent (killed, interrupted while submitting or writing, its polls given up)
     instead of sending it again; a batch canceled since (Ctrl-C while it waits cancels it)
-    is sent as a new one."""
+    or erased since (`sift erase`) is sent as a new one."""
     console = _out()
     with _expected_errors():
         with _nothing_sent_on_interrupt(queries, "nothing was sent, no batch made"):
