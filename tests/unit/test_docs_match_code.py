@@ -10,8 +10,11 @@ here, not in a user's terminal."""
 
 from __future__ import annotations
 
+import ast
 import math
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +168,43 @@ def test_the_settings_table_gives_each_whole_number_setting_s_bounds() -> None:
     assert missing == [], f"bounds not in their Settings rows: {missing}"
     bounded = [name for name in env_names().values() if whole_number_bounds(name)]
     assert len(bounded) >= 30, bounded  # the check reads the fields' bounds at all
+
+
+# the commit from which a SIFT_ variable that is no setting stops a Sift process at start
+UNKNOWN_FATAL_SINCE = "759419a"
+
+
+def settings_fields_at(commit: str) -> set[str]:
+    """The fields of the Settings class in ``worker/settings.py`` at ``commit`` (read by
+    ``git show``, parsed, not imported: that release's code need not import today)."""
+    shown = subprocess.run(["git", "show", f"{commit}:worker/settings.py"], cwd=ROOT,
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    (cls,) = (node for node in ast.parse(shown.stdout).body
+              if isinstance(node, ast.ClassDef) and node.name == "Settings")  # fmt: skip
+    return {
+        node.target.id
+        for node in cls.body
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+    } - {"model_config"}
+
+
+def test_rolling_back_names_every_setting_added_since_unknown_ones_stop_a_start() -> None:
+    """deploy/README.md's "Rolling back past a setting" lists the settings to unset before a
+    rollback: since 759419a a release given one added after it refuses to start. It named 2
+    of the 10 added since (SIFT_ELASTICSEARCH_CA_CERTS, SIFT_MAX_INDEXES_PER_TENANT, ...
+    were left out), so a rollback past them crash-looped with no word of it here."""
+    commit = f"{UNKNOWN_FATAL_SINCE}^{{commit}}"
+    git = ["git", "rev-parse", "--verify", "-q", commit]
+    if shutil.which("git") is None or subprocess.run(git, cwd=ROOT, capture_output=True).returncode:
+        pytest.skip(f"not a git checkout holding {UNKNOWN_FATAL_SINCE}")
+    added = set(Settings.model_fields) - settings_fields_at(UNKNOWN_FATAL_SINCE)
+    text = read("deploy/README.md")
+    start = text.index("**Rolling back past a setting.**")
+    paragraph = text[start : text.index("\n\n", start)]
+    named = {v.removeprefix("SIFT_").lower() for v in VARIABLE.findall(paragraph)}
+    assert sorted(added - named) == [], "added since 759419a, not in the rollback list"
+    assert sorted(named - added) == [], "in the rollback list, not added since 759419a"
+    assert len(added) >= 10, added  # the check reads the old release's fields at all
 
 
 def test_deploy_sets_only_real_settings() -> None:
