@@ -612,6 +612,76 @@ def test_a_cancel_sift_sent_is_the_users_though_the_gateway_s_clock_is_ahead(
     assert len(model.batches()) == 3
 
 
+@pytest.mark.parametrize("offset", [-300.0, 300.0])
+def test_a_user_s_cancel_at_a_provider_minutes_off_is_the_user_s(
+    context: WorkerContext, model: FakeAnthropic, workers: None, shared_clock: SharedClock,
+    offset: float,
+) -> None:  # fmt: skip
+    """The provider's clock is 5 minutes off Redis's: it stamps a batch's ``ended_at`` on it,
+    and dates its answers so. q0's request errored twice, so its third is its last; the
+    user cancels while it waits, and Sift's cancel ends the third provider batch at once
+    (its answer ``ended``: no cancel is noted as sent), which leaves the user's
+    ``canceled_at`` and the provider's ``ended_at`` to say whose cancel it was. The poll
+    reads ``ended_at`` moved by the offset its answer's ``Date`` shows: q0 ends ``canceled``.
+    Before, 5 minutes behind, the end read 5 minutes before the user's cancel: its line was
+    taken for a cancel made outside Sift, an ``http_5xx`` attempt, the last, and q0 ended
+    ``failed`` in a batch the user canceled."""
+    from worker.queue.economy import poll
+
+    model.configure(clock_offset_seconds=offset)
+    model.script_batch({"i0": [errored("overloaded_error"), errored("overloaded_error")]})
+    batch, qids = _prepared(context, 2)
+    _submission(context, batch, qids, "1")
+    store = context.store
+    [first] = model.batches()  # ended at once
+    _mapping(context, batch, first["id"])
+    [_, second] = model.batches()
+    model.configure(batch_processing_seconds=300.0)  # the third stays in progress
+    _mapping(context, batch, second["id"])
+    [_, _, third] = model.batches()
+    assert store.cancel_batch(batch.id) == (0, False)
+    assert cancel_quietly(store, batch.id, context.batches, third["id"])  # ended at once
+    assert not cancel.cancel_sent(store, batch.id, third["id"])
+    chain = store.redis.hget(ECONOMY_STATE_KEY + batch.id, f"chain {third['id']}")
+    poll._poll(_Task(context, str(chain)), batch.id, third["id"])  # type: ignore[arg-type]
+    q0, q1 = store.batch_results(batch.id, 0, 2)
+    assert q1.status == "succeeded", q1
+    assert q0.status == "canceled", q0
+
+
+def test_a_cancel_outside_sift_at_a_provider_ahead_is_not_the_user_s(
+    context: WorkerContext, model: FakeAnthropic, workers: None, shared_clock: SharedClock
+) -> None:
+    """The provider's clock is 5 minutes ahead of Redis's. q0's third request, its last, is
+    in a provider batch someone cancels in the Console; the user cancels the batch 5 s
+    later. Its line is a failed attempt (``http_5xx``, canceled outside Sift), not the
+    user's cancel: q0 ends ``failed``. Before, the provider's ``ended_at``, 5 minutes ahead,
+    read after the user's cancel, and q0 ended ``canceled``, its failure untold."""
+    from worker.queue.economy import poll
+
+    model.configure(clock_offset_seconds=300.0)
+    model.script_batch({"i0": [errored("overloaded_error"), errored("overloaded_error")]})
+    batch, qids = _prepared(context, 2)
+    _submission(context, batch, qids, "1")
+    store = context.store
+    [first] = model.batches()  # ended at once
+    _mapping(context, batch, first["id"])
+    [_, second] = model.batches()
+    model.configure(batch_processing_seconds=300.0)  # the third stays in progress
+    _mapping(context, batch, second["id"])
+    [_, _, third] = model.batches()
+    model.cancel_batch(third["id"])  # from the Console: ended at once
+    assert store.cancel_batch(batch.id) == (0, False)
+    later = (store.get_batch(batch.id).canceled_at or 0.0) + 5.0  # type: ignore[union-attr]
+    store.redis.hset(BATCH_KEY + batch.id, "canceled_at", repr(later))
+    assert cancel_quietly(store, batch.id, context.batches, third["id"])  # ended before it
+    chain = store.redis.hget(ECONOMY_STATE_KEY + batch.id, f"chain {third['id']}")
+    poll._poll(_Task(context, str(chain)), batch.id, third["id"])  # type: ignore[arg-type]
+    q0, q1 = store.batch_results(batch.id, 0, 2)
+    assert q1.status == "succeeded", q1
+    assert q0.status == "failed" and "canceled outside Sift" in (q0.payload or ""), q0
+
+
 def test_a_submission_with_nothing_prepared_needs_no_provider_client(
     store: JobStore, redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from email.utils import parsedate_to_datetime
 from typing import Any, Literal, TypeVar
 
@@ -83,12 +83,26 @@ class ProviderBatch:
     id: str
     processing_status: str  # in_progress | canceling | ended
     request_counts: Mapping[str, int] = field(default_factory=dict)
-    created_at: float | None = None  # epoch seconds
-    ended_at: float | None = None  # epoch seconds; set once ``processing_status`` is ended
+    created_at: float | None = None  # epoch seconds, on the provider's clock
+    ended_at: float | None = None  # the same; set once ``processing_status`` is ended
+    # the provider's clock minus the shared one (:mod:`worker.clock`), as the answer's
+    # ``Date`` showed it (:func:`provider_offset`); None: not known
+    offset: float | None = None
 
     @property
     def ended(self) -> bool:
         return self.processing_status == "ended"
+
+    @property
+    def shared_ended_at(self) -> float | None:
+        """``ended_at`` on the shared clock: moved by :attr:`offset` when it is known.
+
+        >>> ProviderBatch("b", "ended", ended_at=1300.0, offset=300.0).shared_ended_at
+        1000.0
+        """
+        if self.ended_at is None or self.offset is None:
+            return self.ended_at
+        return self.ended_at - self.offset
 
     @property
     def requests(self) -> int:
@@ -181,10 +195,14 @@ class AnthropicMessageBatches:
         return _provider_batch(batch)
 
     def retrieve(self, batch_id: str) -> ProviderBatch:
-        batches = self.reranker.client.messages.batches
-        return _provider_batch(
-            _call(lambda: batches.retrieve(batch_id, timeout=CALL_TIMEOUT_SECONDS), "retrieve")
-        )
+        """The batch as it stands, with the provider's clock offset its answer's ``Date``
+        shows (:attr:`ProviderBatch.offset`): its ``ended_at`` is on the provider's clock,
+        and the user's cancel, on the shared one, is set against it
+        (:attr:`ProviderBatch.shared_ended_at`)."""
+        batches = self.reranker.client.messages.batches.with_raw_response
+        raw = _call(lambda: batches.retrieve(batch_id, timeout=CALL_TIMEOUT_SECONDS), "retrieve")
+        offset = provider_offset(raw.headers.get("date"), clock.now())
+        return replace(_provider_batch(_call(raw.parse, "retrieve")), offset=offset)
 
     def created_between(self, start: float, end: float) -> list[ProviderBatch]:
         """The workspace's Message Batches created between ``start`` and ``end`` (epoch
@@ -357,6 +375,23 @@ def _provider_batch(batch: MessageBatch) -> ProviderBatch:
 DATE_SLACK_SECONDS = 2.0
 
 
+def provider_offset(date: str | None, now: float) -> float | None:
+    """The provider's clock minus the shared one, from an answer dated ``date`` that came
+    as the shared clock read ``now``; None without a ``Date`` anyone can read. The ``Date``
+    counts whole seconds and was written before the answer came: the offset is at most the
+    true one, by up to a second and the answer's time.
+
+    >>> provider_offset("Thu, 01 Jan 1970 00:26:40 GMT", 1300.0)  # 300 s ahead
+    300.0
+    >>> provider_offset("yesterday", 1300.0) is None
+    True
+    """
+    try:
+        return parsedate_to_datetime(date).timestamp() - now if date else None
+    except (TypeError, ValueError):
+        return None
+
+
 def provider_window(start: float, end: float, date: str | None, now: float) -> tuple[float, float]:
     """The window ``start``..``end`` (on the shared clock, which read ``now`` as an answer
     dated ``date`` came) on the provider's clock: moved by the provider's offset, and
@@ -367,11 +402,8 @@ def provider_window(start: float, end: float, date: str | None, now: float) -> t
     >>> provider_window(1000.0, 1240.0, None, 1300.0)
     (1000.0, 1240.0)
     """
-    try:
-        offset = parsedate_to_datetime(date).timestamp() - now if date else None
-    except (TypeError, ValueError):  # a Date no one can read: the window as it is
-        offset = None
-    if offset is None:
+    offset = provider_offset(date, now)
+    if offset is None:  # no Date, or one no one can read: the window as it is
         return start, end
     return start + offset - DATE_SLACK_SECONDS, end + offset + DATE_SLACK_SECONDS
 

@@ -98,7 +98,7 @@ def _poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
                 cancel_quietly(store, batch_id, client, provider_id)
             expect(self, batch_id, provider_id, poll_countdown(self))
             raise self.retry(countdown=poll_countdown(self))
-        map_results(self, batch, provider_id, status.ended_at)
+        map_results(self, batch, provider_id, status.shared_ended_at)
         store.economy_met(batch_id, provider_id)
     except BackendError as exc:  # an item's candidates unread: those finished stay finished
         log.warning("provider batch %s: %s; mapping its results again", provider_id, exc)

@@ -97,8 +97,10 @@ def map_results(
     task: SiftTask, batch: BatchJob, provider_id: str, ended_at: float | None = None
 ) -> None:
     """Stream an ended provider batch's results and map each line to its item. ``ended_at``
-    is when the provider says it ended (epoch seconds; None: not known): its ``canceled``
-    lines are the user's cancel only if that came before it (:func:`_user_canceled`)."""
+    is when the provider says it ended, on the shared clock (epoch seconds,
+    :attr:`~worker.adapters.anthropic_batches.ProviderBatch.shared_ended_at`; None: not
+    known): its ``canceled`` lines are the user's cancel only if that came before it
+    (:func:`_user_canceled`)."""
     client, store = batches_client(task), task.context.store
     # read again: a cancel may have come since the poll read the batch, and been the cause
     batch = store.get_batch(batch.id) or batch
@@ -202,7 +204,13 @@ def _user_canceled(batch: BatchJob, ended_at: float | None, sent: bool) -> bool:
     gateway's (``canceled_at``) running ahead of the provider's (``ended_at``) by more than
     the cancel took made a cancel Sift sent look like one from outside. Otherwise the
     provider batch was canceled outside Sift (in the Console, say), and its ``canceled``
-    lines are failed attempts, not a cancel the user never asked for."""
+    lines are failed attempts, not a cancel the user never asked for.
+
+    Both times are on the shared clock: ``canceled_at`` is, and ``ended_at``, stamped on the
+    provider's, is moved by its offset (the poll's answer's ``Date``), which errs late by up
+    to a second, not early. Set against the provider's own ``ended_at``, a provider 5
+    minutes behind turned the user's cancel into one from outside (an item's last attempt
+    then failed it), and one 5 minutes ahead the reverse."""
     if batch.canceled_at is None:
         return False
     return sent or ended_at is None or batch.canceled_at <= ended_at
