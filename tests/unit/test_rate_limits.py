@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import time
+from datetime import UTC, datetime
+from email.utils import formatdate
+
 import pytest
 
-from worker.adapters.rate_budget import RedisRateBudget, TokenEstimator
+from worker.adapters.anthropic import provider_retry_after
+from worker.adapters.rate_budget import RedisRateBudget, TokenEstimator, remaining_from_headers
+from worker.adapters.rate_budget._headers import NOT_STATED
 from worker.core.types import RerankPrompt
 from worker.errors import ConfigError
 from worker.runtime.bootstrap import build_rate_budget
@@ -118,3 +124,23 @@ def test_a_prompt_of_one_token_a_character_is_not_under_reserved() -> None:
     assert TokenEstimator().estimate(prompt) >= len(text)
     english = RerankPrompt("listwise.v1", "rank them", "volcano ash " * 40, {}, 100, 1, (False,))
     assert TokenEstimator().estimate(english) == round((9 + 12 * 40 + 2) / 3)
+
+
+@pytest.mark.parametrize("offset", [-300, 300])
+def test_a_provider_minutes_off_is_read_against_the_date_of_its_answer(offset: int) -> None:
+    """The provider's clock is 5 minutes off this host's: its ``-reset`` instants (a bucket
+    full in 30 s) and a ``retry-after`` HTTP-date (90 s on) are on it, and so is the
+    ``Date`` of its answer. Read against that ``Date``, they say what the provider meant.
+    Before, they were read against this host's clock: 5 minutes behind, every bucket was
+    learned full and the retry-after was none; 5 minutes ahead, every bucket empty and the
+    retry-after 390 s."""
+    answered = int(time.time()) + offset  # the provider's clock, in whole seconds
+    full_at = datetime.fromtimestamp(answered + 30, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    headers = {
+        "date": formatdate(answered, usegmt=True),
+        "anthropic-ratelimit-requests-limit": "60",
+        "anthropic-ratelimit-requests-reset": full_at,
+        "retry-after": formatdate(answered + 90, usegmt=True),
+    }
+    assert remaining_from_headers(headers) == (30.0, NOT_STATED, NOT_STATED)
+    assert provider_retry_after(headers) == 90.0

@@ -42,14 +42,16 @@ import ssl
 import threading
 import time
 from collections import deque
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 import anthropic
 from anthropic._constants import DEFAULT_CONNECTION_LIMITS
 from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 
+from worker import clock
 from worker.adapters.attempt_deadline import attempt_deadline, bound_by_deadline
-from worker.core.budget import retry_after_seconds
+from worker.core.budget import answer_date, retry_after_seconds
 from worker.core.types import RerankPrompt, RerankReply, TokenUsage
 from worker.effort import EFFORT_MODELS, effort_for
 from worker.errors import AttemptOutcome, RerankAttemptError
@@ -495,7 +497,9 @@ def read_usage(usage: _UsageLike) -> TokenUsage:
 
 
 def provider_retry_after(headers: Mapping[str, str]) -> float | None:
-    """Seconds to wait, from ``retry-after-ms``, or ``retry-after`` (seconds or an HTTP date)."""
+    """Seconds to wait, from ``retry-after-ms``, or ``retry-after`` (seconds or an HTTP date,
+    read against the answer's own ``Date``, else the shared clock: a date is on the
+    provider's clock, and this host's may be minutes off it)."""
     millis = headers.get("retry-after-ms")
     if millis is not None:
         try:
@@ -504,7 +508,8 @@ def provider_retry_after(headers: Mapping[str, str]) -> float | None:
             value = math.nan
         if math.isfinite(value) and value >= 0:
             return value
-    return retry_after_seconds(headers.get("retry-after"))
+    now = answer_date(headers.get("date")) or datetime.fromtimestamp(clock.now(), UTC)
+    return retry_after_seconds(headers.get("retry-after"), now)
 
 
 # 429 ``rate_limit_error``s that are no rate limit: the organisation's spend cap, its usage

@@ -71,6 +71,26 @@ class Deadline:
         self.started += max(0.0, seconds)
 
 
+def answer_date(value: str | None) -> datetime | None:
+    """The instant an answer's ``Date`` header states, on its sender's clock; None when
+    absent or unreadable. The instants the same answer states (a ``Retry-After`` date, a
+    rate limit's reset) are on that clock too: read against this one, they need no host's
+    clock to agree with the sender's.
+
+    >>> answer_date("Wed, 21 Oct 2015 12:00:00 GMT")
+    datetime.datetime(2015, 10, 21, 12, 0, tzinfo=datetime.timezone.utc)
+    >>> answer_date("noon") is None, answer_date(None) is None
+    (True, True)
+    """
+    if value is None:
+        return None
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return when if when.tzinfo is not None else when.replace(tzinfo=UTC)  # "-0000": UTC
+
+
 def retry_after_seconds(value: str | None, now: datetime | None = None) -> float | None:
     """The wait a ``Retry-After`` header asks for, in seconds, in either of its forms (RFC
     9110 10.2.3): delay-seconds, or an HTTP-date (the time left until it from ``now``; one

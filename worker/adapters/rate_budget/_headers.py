@@ -4,10 +4,11 @@ answered (pure functions)."""
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Mapping
 from datetime import datetime
 
+from worker import clock
+from worker.core.budget import answer_date
 from worker.settings import RateLimit
 
 HEADER_BUCKETS = {"rpm": "requests", "itpm": "input-tokens", "otpm": "output-tokens"}
@@ -33,7 +34,10 @@ def remaining_from_headers(
     """What the provider's request, input-token and output-token buckets held when it answered
     (:data:`NOT_STATED` for one the headers leave out): ``-remaining``, or else what
     ``-reset`` (RFC 3339, when the bucket is full again) and ``-limit`` imply at the refill
-    rate of a minute's worth a minute.
+    rate of a minute's worth a minute. A reset is on the provider's clock: it is read
+    against ``now``, by default the answer's ``Date`` (on that clock too), else the shared
+    clock; against this host's own, a host 5 minutes behind the provider learned every
+    bucket empty, one ahead every bucket full.
 
     >>> remaining_from_headers({"anthropic-ratelimit-requests-remaining": "7"})
     (7.0, -1.0, -1.0)
@@ -42,6 +46,9 @@ def remaining_from_headers(
     ...     now=datetime.fromisoformat("2026-01-01T00:00:00+00:00").timestamp())
     (30.0, -1.0, -1.0)
     """
+    if now is None:
+        date = answer_date(headers.get("date"))
+        now = clock.now() if date is None else date.timestamp()
     found: list[float] = []
     for bucket in HEADER_BUCKETS.values():
         prefix = f"anthropic-ratelimit-{bucket}-"
@@ -53,14 +60,14 @@ def remaining_from_headers(
     return found[0], found[1], found[2]
 
 
-def _from_reset(reset: str | None, limit: float | None, now: float | None) -> float | None:
+def _from_reset(reset: str | None, limit: float | None, now: float) -> float | None:
     if reset is None or not limit:
         return None
     try:
         full_at = datetime.fromisoformat(reset.replace("Z", "+00:00")).timestamp()
     except ValueError:
         return None
-    seconds = max(0.0, full_at - (time.time() if now is None else now))
+    seconds = max(0.0, full_at - now)
     return max(0.0, limit - seconds * limit / 60.0)
 
 
