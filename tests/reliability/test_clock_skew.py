@@ -12,6 +12,7 @@ every other worker.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from datetime import datetime
@@ -38,8 +39,18 @@ from tests.reliability.support import (
 )
 from tests.services import celery_worker, free_port, gateway, redis_server
 from worker.clock import server_seconds
+from worker.constants import (
+    DELIVERY_OWNERS_KEY,
+    INGEST_QUEUE,
+    KOMBU_UNACKED_INDEX_KEY,
+    KOMBU_UNACKED_KEY,
+    WEBHOOK_QUEUE,
+    WEBHOOKS_OWED_KEY,
+    WORKER_HEARTBEAT_KEY,
+)
 from worker.constants import METRIC_CLOCK_SKEW as SKEW
-from worker.constants import WEBHOOKS_OWED_KEY
+from worker.queue.config import visibility_timeout
+from worker.settings import load_settings
 from worker.webhooks.delivery import JITTER, RETRY_SCHEDULE_SECONDS
 
 pytestmark = pytest.mark.integration
@@ -249,3 +260,90 @@ def test_each_host_measures_its_clock_against_the_shared_one(
     assert worker is not None and abs(worker - 360) < 5
     assert gateway_skew is not None and abs(gateway_skew + 360) < 5
     assert log.count("this host's clock is +36") == 1, log
+
+
+def _delivery(tag: str, queue: str) -> str:
+    """An ``unacked`` entry as kombu's Redis transport writes it (``[message, exchange,
+    routing key]``), of a message on ``queue`` by the anonymous exchange."""
+    message = {
+        "body": "",
+        "headers": {"id": tag},
+        "properties": {"delivery_tag": tag, "delivery_info": {}, "priority": 0},
+    }
+    return json.dumps([message, "", queue])
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_ahead_puts_back_no_delivery_taken_within_the_visibility_timeout(
+    tmp_path: Path, model: FakeAnthropic
+) -> None:
+    """A worker 30 minutes ahead, past the visibility timeout (1,600 s at the defaults),
+    joins workers that hold deliveries. It puts back the ones taken long ago: one taken
+    past the visibility timeout (kombu's sweep) and one no worker recorded as its own,
+    taken past ``SIFT_WORKER_ORPHAN_DELIVERY_SECONDS`` (Sift's dead-worker check). It keeps
+    those just taken: one a live worker holds, one whose owner's record is still on its
+    way. Before, both read the take times (``unacked_index``, Redis's clock) against the
+    worker's own: everything taken in the last 30 minutes looked overdue, a live worker's
+    message was run a second time. The deliveries are on the webhooks queue, which this
+    worker does not consume, so what it puts back stays there to be seen."""
+    queue = WEBHOOK_QUEUE
+    with redis_server(tmp_path / "redis") as url:
+        shared = redis.Redis.from_url(url + "/0", decode_responses=True)
+        now = server_seconds(shared.time())
+        visibility = visibility_timeout(load_settings(redis_url=url + "/0"))
+        orphaned = load_settings(redis_url=url + "/0").worker_orphan_delivery_seconds
+        taken = {
+            "overdue": now - visibility - 10,  # a dead worker's, past the visibility timeout
+            "held": now,  # the live worker's
+            "orphaned": now - orphaned - 10,  # nobody's, past the orphan window
+            "unrecorded": now,  # its owner's record still on its way
+        }
+        shared.set(WORKER_HEARTBEAT_KEY + "live@host", "1", px=600_000)
+        shared.hset(DELIVERY_OWNERS_KEY, mapping={"overdue": "live@host", "held": "live@host"})
+        shared.hset(KOMBU_UNACKED_KEY, mapping={t: _delivery(t, queue) for t in taken})
+        shared.zadd(KOMBU_UNACKED_INDEX_KEY, taken)
+
+        def put_back() -> set[str]:
+            return {json.loads(m)["headers"]["id"] for m in shared.lrange(queue, 0, -1)}
+
+        env = stack_env(url + "/0", model.url)
+        with celery_worker(tmp_path / "w", skewed(env, "+30m"), "ahead", queues=INGEST_QUEUE):
+            wait_for(lambda: {"overdue", "orphaned"} <= put_back(), "the overdue put back")
+            back = put_back()
+            left = set(shared.hkeys(KOMBU_UNACKED_KEY))
+        shared.close()
+    assert back == {"overdue", "orphaned"}
+    assert left == {"held", "unrecorded"}
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_behind_records_its_deliveries_taken_on_the_shared_clock(
+    tmp_path: Path, model: FakeAnthropic
+) -> None:
+    """A worker 30 minutes behind takes a search (held at the model): kombu records when it
+    took it (``unacked_index``), which every other worker's sweep reads against Redis's
+    clock. It is recorded on that clock. Before, it was the worker's own, 30 minutes in the
+    past, past the visibility timeout: every other worker's next sweep put the message back
+    while the search ran, and it ran twice."""
+    with redis_server(tmp_path / "redis") as url:
+        env = stack_env(url + "/0", model.url)
+        shared = redis.Redis.from_url(url + "/0", decode_responses=True)
+        model.configure(hold_unscripted=True)
+        try:
+            with (
+                gateway(tmp_path / "g", env) as base,
+                httpx.Client(base_url=base, timeout=30) as client,
+                celery_worker(tmp_path / "w", skewed(env, "-30m"), "behind"),
+            ):
+                ingest(client)
+                received = model.counts()["received"]
+                before = server_seconds(shared.time())
+                submit_search(client, sample_queries()[0])
+                wait_for(lambda: model.counts()["received"] > received, "the search at the model")
+                after = server_seconds(shared.time())
+                taken = [score for _, score in shared.zrange(KOMBU_UNACKED_INDEX_KEY, 0, -1,
+                                                             withscores=True)]  # fmt: skip
+        finally:
+            model.configure(hold_unscripted=False)
+        shared.close()
+    assert taken and all(before - 1 <= t <= after + 1 for t in taken), (before, taken, after)

@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import kombu.asynchronous.timer as kombu_timer
+import kombu.transport.redis as kombu_redis
 from celery import Celery
 from celery.signals import (
     after_setup_logger,
@@ -258,10 +259,27 @@ def etas_on_the_shared_clock() -> None:
     kombu_timer._time = clock.now  # type: ignore[attr-defined]
 
 
+def deliveries_on_the_shared_clock() -> None:
+    """When a message was taken, and whether it is past the visibility timeout, on the
+    shared clock: kombu's Redis transport records a take in ``unacked_index`` with the
+    ``time`` it imported at module level, this host's wall clock, and each worker's sweep
+    (``QoS.restore_visible``) puts back the messages taken longer ago than the timeout by
+    its own. A worker ahead by more than the timeout put back every live worker's message,
+    run a second time; one behind had its own put back by every other worker. Those two
+    are the module's only reads of ``time`` (kombu 5.x); a kombu whose ``time`` is no
+    longer that function is left as it is, with a warning."""
+    if kombu_redis.time not in (time.time, clock.now):  # type: ignore[attr-defined]
+        log.warning("kombu.transport.redis.time is not time.time: its take times stay on "
+                    "this host's clock")  # fmt: skip
+        return
+    kombu_redis.time = clock.now  # type: ignore[attr-defined]
+
+
 def create_celery_app(settings: Settings | None = None) -> Celery:
     """The worker's Celery app, with Sift's tasks registered."""
     settings = settings or load_settings()
     etas_on_the_shared_clock()
+    deliveries_on_the_shared_clock()
     celery = SharedClockCelery("sift", set_as_current=False)
     celery.config_from_object(celery_config(settings))
     celery.conf.sift_settings = settings

@@ -28,13 +28,13 @@ from __future__ import annotations
 import bisect
 import json
 import logging
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import cast
 
 import redis
 
+from worker import clock as shared_clock
 from worker.constants import (
     ALL_QUEUES,
     DELIVERY_OWNERS_KEY,
@@ -202,7 +202,10 @@ class Reaper:
         dead = self._dead_workers(holding | cast(set[str], self.client.smembers(WORKERS_KEY)))
         self._announce(dead, holding)
         doomed = [(tag, owner) for tag, owner in owners.items() if owner in dead]
-        cutoff = time.time() - self.orphan_seconds
+        # the take times are on the shared clock, as every worker's kombu writes them
+        # (celery_app.deliveries_on_the_shared_clock): read against this host's own, a
+        # worker minutes ahead put back deliveries just taken, whose record was on its way
+        cutoff = shared_clock.now() - self.orphan_seconds
         taken_long_ago = cast(
             list[str], self.client.zrangebyscore(KOMBU_UNACKED_INDEX_KEY, "-inf", cutoff)
         )
@@ -212,7 +215,7 @@ class Reaper:
         doomed, raws = self._first_taken_last(doomed)
         # A dead worker took nothing in its last TTL: a delivery taken since then is another
         # worker's, requeued and taken again, whose record of it is still on its way.
-        dead_cutoff = time.time() - self.dead_after_seconds
+        dead_cutoff = shared_clock.now() - self.dead_after_seconds
         restored: dict[str, int] = {}
         for (tag, owner), raw in zip(doomed, raws, strict=True):
             if self._put_back(tag, owner, raw, dead_cutoff if owner else cutoff):
