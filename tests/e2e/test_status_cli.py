@@ -22,6 +22,7 @@ import redis
 
 from tests.e2e.conftest import ACME, INDEX, Stack
 from tests.fake_anthropic import positions
+from worker.clock import server_seconds
 from worker.constants import (
     ALL_QUEUES,
     BATCH_CHUNK_TASK,
@@ -79,9 +80,10 @@ def test_sift_status_shows_the_queue_the_worker_and_the_batch(
 ) -> None:
     client = redis.Redis.from_url(stack.redis_url + "/0", decode_responses=True)
     [beat_key] = list(client.scan_iter(WORKER_HEARTBEAT_KEY + "*"))
-    beat_before, read_from = float(client.get(beat_key) or 0), time.time()
+    # on Redis's clock, the one the heartbeat is written on and the command reads ages on
+    beat_before, read_from = float(client.get(beat_key) or 0), server_seconds(client.time())
     run = _status(stack, "--json")
-    read_by, beat_after = time.time(), float(client.get(beat_key) or 0)
+    read_by, beat_after = server_seconds(client.time()), float(client.get(beat_key) or 0)
     client.close()
     assert run.returncode == 0, run.stderr
     # what follows is a snapshot of the running batch only if none of its items had finished

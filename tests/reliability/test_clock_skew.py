@@ -13,6 +13,9 @@ every other worker.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from datetime import datetime
@@ -49,7 +52,9 @@ from worker.constants import (
     WORKER_HEARTBEAT_KEY,
 )
 from worker.constants import METRIC_CLOCK_SKEW as SKEW
+from worker.contract import SearchSpec
 from worker.queue.config import visibility_timeout
+from worker.queue.jobstore import JobStore
 from worker.settings import load_settings
 from worker.webhooks.delivery import JITTER, RETRY_SCHEDULE_SECONDS
 
@@ -347,3 +352,41 @@ def test_a_worker_behind_records_its_deliveries_taken_on_the_shared_clock(
             model.configure(hold_unscripted=False)
         shared.close()
     assert taken and all(before - 1 <= t <= after + 1 for t in taken), (before, taken, after)
+
+
+@pytest.mark.timeout(120)
+def test_sift_status_on_a_host_minutes_off_shows_the_ages_on_the_shared_clock(
+    tmp_path: Path, model: FakeAnthropic
+) -> None:
+    """``sift status`` run on a host 6 minutes behind, of a worker 6 minutes ahead and a
+    batch created on the shared clock: the worker's heartbeat age and the batch's age are
+    the time since, on Redis's clock (each between what Redis read before the command ran
+    and after). Before, the command measured them on its host's clock, and the worker
+    wrote its heartbeat on its own: the batch was -6 minutes old and the heartbeat -12."""
+    with redis_server(tmp_path / "redis") as url:
+        env = stack_env(url + "/0", model.url)
+        store = JobStore.from_url(url + "/0")
+        batch = store.create_batch("acme", "docs", [("q0", SearchSpec(index="docs", query="q"))])
+        store.start_item(batch.id, "q0")
+        shared = store.redis
+        with celery_worker(tmp_path / "w", skewed(env, "+6m"), "ahead"):
+            wait_for(lambda: bool(list(shared.scan_iter(WORKER_HEARTBEAT_KEY + "*"))), "a beat")
+            [beat_key] = list(shared.scan_iter(WORKER_HEARTBEAT_KEY + "*"))
+            beat_before, read_from = float(shared.get(beat_key) or 0), server_seconds(shared.time())
+            run = subprocess.run(
+                [sys.executable, "-m", "worker.cli", "status", "--json", "--no-inspect"],
+                env=skewed({**os.environ, "SIFT_REDIS_URL": url + "/0"}, "-6m"),
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            read_by, beat_after = server_seconds(shared.time()), float(shared.get(beat_key) or 0)
+        store.close()
+    assert run.returncode == 0, run.stderr
+    status = json.loads(run.stdout)
+    [worker] = status["workers"]
+    [shown] = status["batches"]
+    # one of the beats seen around the run, when it ran; the worker's reading of the shared
+    # clock is off by up to half a round trip (tenths of a second on a loaded machine)
+    age = worker["beat_age_seconds"]
+    assert read_from - beat_after - 1 <= age <= read_by - beat_before + 1, age
+    age = shown["age_seconds"]
+    assert read_from - batch.created_at - 0.1 <= age <= read_by - batch.created_at + 0.1, age

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +40,7 @@ from rich.table import Table
 from worker.cli._app import app
 from worker.cli._common import STACK_REDIS_FILE, stack_redis_url
 from worker.cli._output import cli_console, plain, print_fitted
+from worker.clock import server_seconds
 from worker.constants import (
     ACTIVE_JOBS_KEY,
     ALL_QUEUES,
@@ -150,7 +150,9 @@ def _queues(client: redis.Redis, unacked: dict[str, tuple[str, Delivery]]) -> li
     return rows
 
 
-def _workers(client: redis.Redis, unacked: dict[str, tuple[str, Delivery]]) -> list[WorkerRow]:
+def _workers(
+    client: redis.Redis, unacked: dict[str, tuple[str, Delivery]], now: float
+) -> list[WorkerRow]:
     ids = sorted(
         key.removeprefix(WORKER_HEARTBEAT_KEY)
         for key in cast(list[str], list(client.scan_iter(WORKER_HEARTBEAT_KEY + "*", count=500)))
@@ -159,7 +161,6 @@ def _workers(client: redis.Redis, unacked: dict[str, tuple[str, Delivery]]) -> l
         cast(list[str | None], client.mget([WORKER_HEARTBEAT_KEY + i for i in ids])) if ids else []
     )
     owners = cast(dict[str, str], client.hgetall(DELIVERY_OWNERS_KEY))
-    now = time.time()
     rows = []
     for worker_id, beat in zip(ids, beats, strict=True):
         host, _, rest = worker_id.partition(":")
@@ -204,13 +205,12 @@ def _join_inspection(
 
 
 def _batches(
-    store: JobStore, active: list[tuple[str, float]], economy_watch: list[str]
+    store: JobStore, active: list[tuple[str, float]], economy_watch: list[str], now: float
 ) -> list[BatchRow]:
     """The batches not final among the active jobs and the economy lane's watched tasks
     (``"<batch id> <provider batch id | submit>"``): an economy batch whose items are all
     prepared leaves the active set and waits on its provider batches, for hours maybe, and
     was left out, so ``Batches running: 0`` was shown while its items ran."""
-    now = time.time()
     moved_at = {job_id: moved for job_id, moved in active if job_id.startswith(BATCH_ID_PREFIX)}
     waiting = [member.partition(" ")[0] for member in economy_watch]
     rows = []
@@ -261,10 +261,14 @@ def celery_inspect(redis_url: str) -> Inspect:
 
 
 def collect(store: JobStore, inspect: Inspect | None, timeout: float) -> Status:
-    """Everything ``sift status`` shows, read once."""
+    """Everything ``sift status`` shows, read once. Its ages are measured on Redis's clock,
+    which the times it reads are on (a heartbeat's, a batch's creation and last move): on
+    this host's own, a host 6 minutes behind showed a batch made just now as -6 minutes
+    old."""
     client = store.redis
+    now = server_seconds(client.time())
     unacked = _unacked(client)
-    workers = _workers(client, unacked)
+    workers = _workers(client, unacked, now)
     active, stats = inspect(timeout) if inspect is not None else ({}, {})
     # not asked is not unanswered: --no-inspect said "no worker answered" of a question it
     # never put
@@ -276,7 +280,7 @@ def collect(store: JobStore, inspect: Inspect | None, timeout: float) -> Status:
         workers=workers,
         unknown_nodes=unknown,
         inspect_answered=None if inspect is None else bool(active or stats),
-        batches=_batches(store, jobs, economy_watch),
+        batches=_batches(store, jobs, economy_watch, now),
         active_searches=sum(1 for j, _ in jobs if j.startswith(SEARCH_ID_PREFIX)),
         active_ingests=sum(1 for j, _ in jobs if j.startswith(INGEST_ID_PREFIX)),
         in_flight=store.in_flight(),

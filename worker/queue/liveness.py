@@ -265,7 +265,8 @@ class Liveness:
         clock again (this process's shared clock, :mod:`worker.clock`)."""
         ttl_ms = int(self.dead_after_seconds * 1000)
         pipe = self.client.pipeline(transaction=False)
-        pipe.set(heartbeat_key(self.worker_id), str(time.time()), px=ttl_ms, get=True)
+        # the beat's time on the shared clock, which ``sift status`` reads its age against
+        pipe.set(heartbeat_key(self.worker_id), repr(CLOCK.now()), px=ttl_ms, get=True)
         pipe.sadd(WORKERS_KEY, self.worker_id)
         previous, _ = pipe.execute()
         # this process's reading of the shared clock (worker/clock.py): a TIME of its own, its
