@@ -53,6 +53,7 @@ from worker.constants import (
 )
 from worker.constants import METRIC_CLOCK_SKEW as SKEW
 from worker.contract import SearchSpec
+from worker.processes.stack import child_env, stop, worker_service
 from worker.queue.config import visibility_timeout
 from worker.queue.jobstore import JobStore
 from worker.settings import load_settings
@@ -390,3 +391,51 @@ def test_sift_status_on_a_host_minutes_off_shows_the_ages_on_the_shared_clock(
     assert read_from - beat_after - 1 <= age <= read_by - beat_before + 1, age
     age = shown["age_seconds"]
     assert read_from - batch.created_at - 0.1 <= age <= read_by - batch.created_at + 0.1, age
+
+
+@pytest.mark.timeout(240)
+def test_a_prefork_worker_started_before_redis_signs_webhooks_on_the_shared_clock(
+    tmp_path: Path, model: FakeAnthropic, verifying: VerifyingReceiver
+) -> None:
+    """A ``--pool prefork`` worker 6 minutes ahead starts while Redis is not up yet (a
+    deployment that starts the workers first): its process cannot read Redis's clock as it
+    starts, and forks its pool's children before it can (the consumer is still trying to
+    connect). Redis comes up; a search's webhook, run in a child, is signed on the shared
+    clock, and the receiver accepts it. Before, only the parent's heartbeat read the clock:
+    the children kept their host's for as long as they lived, and the webhook was refused
+    (400), settled ``failed``."""
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    env = stack_env(url, model.url)
+    # its monotonic clock moved by as much (one offset, so each interval is true): kombu's
+    # connection retries sleep, and libfaketime fails a sleep (EINVAL) when it fakes only
+    # the wall clock
+    ahead = {**skewed(env, "+6m"), "FAKETIME_DONT_FAKE_MONOTONIC": "0"}
+    service = worker_service(
+        tmp_path / "w", child_env(ahead, inherit_sift=False), "ahead",
+        concurrency=2, pool="prefork",
+    )  # fmt: skip
+    log = tmp_path / "w" / "ahead.log"
+    service.start()
+    assert service.proc is not None
+    try:
+        wait_for(lambda: "Cannot connect to" in log.read_text(errors="replace"), "pool forked")
+        with redis_server(tmp_path / "redis", port=port):
+            service.wait_ready()
+            with (
+                gateway(tmp_path / "g", env) as base,
+                httpx.Client(base_url=base, timeout=30) as client,
+            ):
+                ingest(client)
+                job_id = submit_search(client, sample_queries()[0], webhook_url=verifying.url)
+                wait_for(
+                    lambda: (
+                        _webhook(client, job_id).get("status") not in (None, "pending", "retrying")
+                    ),
+                    "the webhook settled",
+                )
+                webhook = _webhook(client, job_id)
+    finally:
+        stop(service.proc, service.stop_timeout)
+    assert verifying.seen() == [(204, "verified")]
+    assert webhook == {"status": "delivered", "attempts": 1}

@@ -234,6 +234,16 @@ def _job_begins(args: Any = None, **_: Any) -> None:
     enter_job(job_id_of(args))
 
 
+def _clock_read(task: Any = None, **_: Any) -> None:
+    """A task starts: in a prefork child, the shared clock read again when it is stale
+    (:func:`worker.queue.liveness.read_clock_in_child`)."""
+    from worker.queue import liveness
+    from worker.queue.base import SiftTask
+
+    if isinstance(task, SiftTask):
+        liveness.read_clock_in_child(task.context.store.redis.time)
+
+
 def _job_ends(**_: Any) -> None:
     from worker.observability.logcontext import leave_job
 
@@ -298,6 +308,7 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
     worker_shutdown.connect(_stopped, weak=False, dispatch_uid="sift-stopped")
     worker_process_shutdown.connect(_child_exited, weak=False, dispatch_uid="sift-child-exit")
     task_prerun.connect(_job_begins, weak=False, dispatch_uid="sift-job-begins")
+    task_prerun.connect(_clock_read, weak=False, dispatch_uid="sift-clock-read")
     task_postrun.connect(_job_ends, weak=False, dispatch_uid="sift-job-ends")
     after_setup_logger.connect(_job_ids_in_logs, weak=False, dispatch_uid="sift-log")
     after_setup_task_logger.connect(_job_ids_in_logs, weak=False, dispatch_uid="sift-task-log")

@@ -54,7 +54,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import redis
@@ -331,6 +331,22 @@ _liveness_pid = 0  # the process that started it (a prefork child has a copy, no
 
 def current() -> Liveness | None:
     return _liveness
+
+
+def read_clock_in_child(time_command: Callable[[], Any]) -> None:
+    """In a prefork child, read Redis's clock (``time_command``: a client's ``time``) when its
+    last reading is older than :data:`~worker.clock.RECALIBRATE_SECONDS`, or there is none;
+    a task start's call. The heartbeat thread that reads it every beat is the parent's alone
+    (no thread survives a fork): a child kept the reading it was forked with for as long as
+    it lived, and none at all when Redis was not up as the worker started (it then timed
+    and signed everything on its host's own clock). Elsewhere, nothing: a worker's own
+    beats read it. A Redis that does not answer leaves the reading as it was."""
+    if _liveness is None or os.getpid() == _liveness_pid or not CLOCK.stale():
+        return
+    try:
+        metrics.clock_skew("worker", CLOCK.read(time_command))
+    except redis.RedisError as exc:
+        log.warning("liveness: could not read Redis's clock in this process: %s", exc)
 
 
 def run_owner() -> str:
