@@ -58,6 +58,8 @@ class Receiver:
     extra_headers: dict[str, str] = field(default_factory=dict)
     # set: each request is answered only once this is set (30 s at most: a hang guard)
     hold: threading.Event | None = None
+    # the receiver's clock, this many seconds off the test's: its answers' Date header
+    clock_offset: float = 0.0
 
     @property
     def url(self) -> str:
@@ -87,6 +89,9 @@ def receiver() -> Iterator[Receiver]:
             self.send_response(200)
             self.send_header("content-length", "0")
             self.end_headers()
+
+        def date_time_string(self, timestamp: float | None = None) -> str:
+            return formatdate(time.time() + box["r"].clock_offset, usegmt=True)
 
         def log_message(self, format: str, *args: object) -> None:
             pass
@@ -204,8 +209,27 @@ def test_a_receiver_s_retry_after_is_read_in_either_form(
     assert result.retry_after is not None, result
     if form == "seconds":
         assert result.retry_after == 600
-    else:  # the date less the moment it was read, which came between these two readings
-        assert ahead - after - 1e-3 <= result.retry_after <= ahead - before + 1e-3, result
+    else:  # the date less the answer's Date, a whole second between these two readings
+        assert ahead - after - 1e-3 <= result.retry_after <= ahead - int(before) + 1e-3, result
+
+
+@pytest.mark.parametrize("offset", [-300, 300])
+def test_a_receiver_s_retry_after_date_is_read_against_its_own_clock(
+    receiver: Receiver, offset: int
+) -> None:
+    """A receiver whose clock is 5 minutes off the worker's asks for 90 s as an HTTP-date on
+    its clock, 90 s after its answer's ``Date``: the wait is 90 s. Before, the date was read
+    against the worker's clock: 5 minutes behind, the retry came at once (at the schedule's
+    wait), the receiver still down; 5 minutes ahead, it waited 390 s."""
+    receiver.status = 503
+    receiver.clock_offset = offset
+    answered = int(time.time()) + offset
+    receiver.extra_headers = {"Retry-After": formatdate(answered + 90, usegmt=True)}
+    body = payload(SEARCH_COMPLETED, "job-ra-off", "succeeded")
+    result = deliver(receiver.url, body, message_id("job-ra-off"), SECRET, allow_private=True)
+    assert result.outcome is DeliveryOutcome.RETRY
+    # the Date's whole second may have turned since ``answered``: 90 s from it, or 89
+    assert result.retry_after in (89.0, 90.0), result
 
 
 def test_a_receiver_s_retry_after_of_a_year_past_any_clock_leaves_the_schedule(

@@ -11,6 +11,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator
+from email.utils import formatdate
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from worker.cli import _eval_runs, app, indexes, listing
+from worker.cli import _eval_runs, _http, app, indexes, listing
 from worker.cli._http import Gateway, GatewayError
 from worker.cli.client import _batch
 
@@ -225,3 +226,20 @@ def test_a_removed_tenant_s_503_is_said_at_once_not_retried(slept: list[float]) 
         gw.json("GET", "/v1/indexes/docs", retry_for=120)
     assert not caught.value.transient
     assert asked == ["/v1/indexes/docs"] and slept == []
+
+
+@pytest.mark.parametrize("offset", [-300, 300])
+def test_a_retry_after_date_is_read_against_the_answer_s_own_date(offset: int) -> None:
+    """A gateway (or the proxy before it) whose clock is 5 minutes off this machine's asks
+    for 7 s as an HTTP-date on its clock, 7 s after its answer's ``Date``: the wait is 7 s.
+    Before, the date was read against this machine's clock: none (the backoff's quarter
+    second) 5 minutes behind, the 30 s cap (of 307 s) 5 minutes ahead."""
+    answered = int(time.time()) + offset
+    response = httpx.Response(
+        429,
+        headers={
+            "date": formatdate(answered, usegmt=True),
+            "retry-after": formatdate(answered + 7, usegmt=True),
+        },
+    )
+    assert _http._retry_after(response) == 7.0

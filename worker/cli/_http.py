@@ -22,7 +22,7 @@ from tenacity import (
 
 from worker.constants import ERROR_JOB_STORE_FULL, ERROR_TENANT_REMOVED
 from worker.contract import INDEX_PATTERN
-from worker.core.budget import retry_after_seconds
+from worker.core.budget import answer_date, retry_after_seconds
 from worker.errors import ConfigError
 from worker.settings import load_settings
 
@@ -138,8 +138,10 @@ def _wait(state: RetryCallState) -> float:
 def _retry_after(response: httpx.Response) -> float | None:
     """The answer's ``Retry-After`` in seconds, as delay-seconds or an HTTP-date (a proxy's
     or load balancer's may be either: a date was taken for none, and the backoff's quarter
-    second applied), up to ``MAX_RETRY_AFTER_SECONDS``."""
-    seconds = retry_after_seconds(response.headers.get("retry-after"))
+    second applied), up to ``MAX_RETRY_AFTER_SECONDS``. A date is on the answering host's
+    clock, and read against the answer's own ``Date`` (this machine's clock without one)."""
+    date = answer_date(response.headers.get("date"))
+    seconds = retry_after_seconds(response.headers.get("retry-after"), date)
     return None if seconds is None else min(seconds, MAX_RETRY_AFTER_SECONDS)
 
 

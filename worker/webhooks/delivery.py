@@ -55,7 +55,7 @@ from standardwebhooks.webhooks import Webhook
 
 from worker import clock
 from worker.constants import WEBHOOK_EVENT_BATCH_COMPLETED, WEBHOOK_EVENT_SEARCH_COMPLETED
-from worker.core.budget import retry_after_seconds
+from worker.core.budget import answer_date, retry_after_seconds
 from worker.errors import InvalidRequest
 from worker.webhooks import urlguard
 from worker.webhooks.shares import TenantSlots
@@ -338,7 +338,11 @@ def next_delay(
 
 
 def _retry_after(response: httpx.Response) -> float | None:
-    seconds = retry_after_seconds(response.headers.get("retry-after"))  # either RFC form
+    """The receiver's ``Retry-After`` in seconds, in either RFC form, up to the cap. A date
+    is on the receiver's clock: read against its answer's ``Date`` (the shared clock without
+    one), not this worker's, which may be minutes off it."""
+    now = answer_date(response.headers.get("date")) or datetime.fromtimestamp(clock.now(), UTC)
+    seconds = retry_after_seconds(response.headers.get("retry-after"), now)
     return None if seconds is None else min(seconds, MAX_RETRY_AFTER_SECONDS)
 
 
