@@ -6,6 +6,8 @@ import functools
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 import unicodedata
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -677,6 +679,56 @@ def test_a_vector_load_holds_no_lock_the_process_s_other_operations_need(
     query = ChannelQuery("idx", HardFilters("acme"), ("knn",), 3, "", vector=vectors[4])
     assert backend.retrieve(query).hits["knn"][0].document.id == "d4"
     assert seen == [False, True, ["o1"]]
+    backend.close()
+
+
+def test_a_block_loaded_while_its_index_was_dropped_leaves_at_the_next_knn_search(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kNN search of k loads k's block outside the backend's lock; meanwhile k is dropped
+    and a search of another index sweeps the cache (:meth:`_let_go_of_emptied`), recording
+    the drop's schema version while k is not cached yet. The load then stores k's block, read
+    from its snapshot before the drop: the dropped documents' vectors, ids and metadata. It
+    was kept, counted against the byte budget, until some other index was emptied or made
+    (no later sweep ran, the schema unchanged since the one seen); the next kNN search of
+    another index lets it go, as it does any dropped index's block."""
+    backend = EmbeddedBackend(tmp_path)
+    vectors = _unit_rows(3, 8, 0)
+    for name in ("k", "j", "l"):
+        backend.upsert(name, "acme", [Document(f"{name}{i}", "x", "") for i in range(3)], vectors)
+
+    def knn(index: str) -> list[str]:
+        query = ChannelQuery(index, HardFilters("acme"), ("knn",), 3, "", vector=vectors[0])
+        return [hit.document.id for hit in backend.retrieve(query).hits["knn"]]
+
+    knn("j"), knn("l")  # another index cached: each search of one sweeps
+    inside, go = threading.Event(), threading.Event()
+    load = embedded._caches._load
+
+    def paused(conn: apsw.Connection, index: str, *args: Any) -> Any:
+        if index == "k":
+            inside.set()
+            go.wait()
+        return load(conn, index, *args)
+
+    monkeypatch.setattr(embedded._caches, "_load", paused)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        searched = pool.submit(knn, "k")
+        try:
+            inside.wait()
+            # Committed at once; its WAL checkpoint waits for the search's older snapshot.
+            dropped = pool.submit(backend.delete_index, "k", "acme")
+            while backend.holds("k", "acme"):
+                time.sleep(0.001)
+            assert knn("j")[0] == "j0"  # the sweep that sees the drop, k not cached yet
+        finally:
+            go.set()
+        assert searched.result()[0] == "k0"  # its snapshot's, from before the drop
+        dropped.result()
+    assert ("k", "acme") in backend._vectors  # stored after the sweep
+    knn("j")
+    assert set(backend._vectors) == {("j", "acme"), ("l", "acme")}
+    assert backend._vector_bytes == sum(v.block.nbytes for v in backend._vectors.values())
     backend.close()
 
 

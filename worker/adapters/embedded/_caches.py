@@ -138,6 +138,12 @@ class _VectorCache(_Pool):
         index never run at once: an append writes its matrix's spare rows in place, and two
         would write the same ones. A block cached meanwhile by a load of another snapshot
         (one lock, in turn) is as good: a newer one is kept, as the lock held did before.
+
+        A sweep (:meth:`_let_go_of_emptied`) may run meanwhile too, seeing the index dropped
+        while it was not cached yet: the block, read from a snapshot before the drop, would
+        then be kept until the schema changed again. So a block read at another schema
+        version than the last sweep's (one ran since the search's snapshot began) is kept
+        with the sweep forgotten, and the next kNN search of another index sweeps again.
         """
         key = (index, tenant)
         with self._load_lock(key):
@@ -149,8 +155,11 @@ class _VectorCache(_Pool):
                         self._vectors.move_to_end(key)  # now the most recently searched
                     return cached
             fresh = _load(conn, index, tenant, cached, generation)
+            schema = _schema_version(conn)  # the load's snapshot's
             with self._lock:
                 self._keep_vectors(key, fresh)
+                if schema != self._schema_seen:
+                    self._schema_seen = None
             return fresh
 
     def _keep_vectors(self, key: tuple[str, str], vectors: _Vectors) -> None:
@@ -183,18 +192,25 @@ class _VectorCache(_Pool):
         it. Emptying an index drops its FTS5 table (:func:`._schema._settle_emptied`), which
         changes ``PRAGMA schema_version``, a read of the database header: asked only when
         another index's vectors are cached (the searched one's own emptying is seen by its
-        search), so a process searching one index runs no statement more. A change since the
-        last look makes one, a seek per cached index, made again only after the next change
-        (an index emptied or made, by any tenant)."""
+        search), so a process searching one index runs no statement more (a load reads it
+        once, :meth:`_refresh`). A change since the last look makes one, a seek per cached
+        index, made again only after the next change (an index emptied or made, by any
+        tenant), or after a load read at another version than the last look's."""
         if all(key == searched for key in self._vectors):
             return
-        schema = int(conn.execute("PRAGMA schema_version").get)
+        schema = _schema_version(conn)
         if schema == self._schema_seen:
             return
         self._schema_seen = schema
         for index, tenant in list(self._vectors):
             if not _holds(conn, index, tenant):
                 self._drop_vectors((index, tenant))
+
+
+def _schema_version(conn: apsw.Connection) -> int:
+    """The schema's version in the connection's snapshot (a read of the database header),
+    which emptying or making an index changes (its FTS5 table dropped or made)."""
+    return int(conn.execute("PRAGMA schema_version").get)
 
 
 def _load(

@@ -82,7 +82,7 @@ class _Pool:
         self._vectors: OrderedDict[tuple[str, str], _Vectors] = OrderedDict()
         self._vector_bytes = 0
         self._load_locks = _load_locks()  # one load of an index's vectors at a time
-        self._schema_seen: int | None = None  # the schema version the caches were swept at
+        self._schema_seen: int | None = None  # the schema version last swept at (None: sweep)
         self._connections: list[apsw.Connection] = []  # every open one, lent or idle
         self._idle: list[apsw.Connection] = []  # the pool: the last given back on top
         self._epoch = 0  # bumped by close(): a connection lent before is not taken back
