@@ -28,6 +28,7 @@ from worker.processes.stack import (
 )
 
 __all__ = [
+    "SHUTDOWN_POLL_SECONDS",
     "Received",
     "celery_worker",
     "free_port",
@@ -124,12 +125,18 @@ def webhook_inbox() -> Iterator[tuple[str, queue.Queue[Received]]]:
 
 _Server = TypeVar("_Server", bound=ThreadingHTTPServer)
 
+# How often a served server's loop looks for its shutdown: ``shutdown()`` waits for that look,
+# and at socketserver's default (0.5 s) every receiver and proxy took half a second to stop.
+SHUTDOWN_POLL_SECONDS = 0.05
+
 
 @contextlib.contextmanager
 def served(server: _Server) -> Iterator[_Server]:
     """``server`` answering on a thread of its own until the block ends, then shut and closed
     (a test's proxy in front of the gateway, a webhook receiver)."""
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(
+        target=server.serve_forever, args=(SHUTDOWN_POLL_SECONDS,), daemon=True
+    )
     thread.start()
     try:
         yield server

@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 
 from api_gateway.bodies import parse_batch
 from tests.e2e.conftest import ACME, INDEX, Stack
-from tests.services import free_port, served
+from tests.services import SHUTDOWN_POLL_SECONDS, free_port, served
 from worker.cli import app
 from worker.queue.jobstore import IdempotencyOutcome, JobStore
 from worker.queue.jobstore.idempotency import _idem_key
@@ -193,7 +193,9 @@ def test_sift_batch_outwaits_the_claim_of_a_submit_whose_gateway_died(
     server = _Proxy(stack.live_url)
     server.RequestHandlerClass = _DeadClaimHandler
     server.redis_url = stack.redis_url + "/0"  # type: ignore[attr-defined]
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(
+        target=server.serve_forever, args=(SHUTDOWN_POLL_SECONDS,), daemon=True
+    )
     thread.start()
     try:
         out = tmp_path / "results.jsonl"

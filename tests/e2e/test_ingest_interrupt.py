@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from tests.e2e.conftest import ACME, Stack
-from tests.services import free_port
+from tests.services import SHUTDOWN_POLL_SECONDS, free_port
 
 KEY = ACME["Authorization"].split()[1]
 RESUME = re.compile(r"resume from line (\d+) \(document '([^']+)'\)")
@@ -227,7 +227,9 @@ class _RelayHandler(http.server.BaseHTTPRequestHandler):
 @contextmanager
 def relay(target: str, *, no_wait: bool) -> Iterator[tuple[str, _Relay]]:
     server = _Relay(target, no_wait)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(
+        target=server.serve_forever, args=(SHUTDOWN_POLL_SECONDS,), daemon=True
+    )
     thread.start()
     try:
         host, port = server.server_address[:2]

@@ -15,6 +15,7 @@ from standardwebhooks.webhooks import Webhook
 from tests.e2e.conftest import ACME, GLOBEX, INDEX, KEYS, MODEL, Stack, unpriced_stack
 from tests.fake_anthropic import USAGE_FIELDS, malformed
 from tests.services import (
+    SHUTDOWN_POLL_SECONDS,
     Received,
     webhook_figures,
     webhook_inbox,
@@ -219,7 +220,9 @@ class _ScriptedReceiver:
                 pass
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, args=(SHUTDOWN_POLL_SECONDS,), daemon=True
+        )
         self.thread.start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
 

@@ -58,7 +58,13 @@ from tests.prometheus_support import (
     run_prometheus,
     wait_until,
 )
-from tests.services import celery_worker, free_port, gateway, redis_server
+from tests.services import (
+    SHUTDOWN_POLL_SECONDS,
+    celery_worker,
+    free_port,
+    gateway,
+    redis_server,
+)
 from worker.constants import (
     BATCH_QUEUE,
     INGEST_QUEUE,
@@ -203,7 +209,9 @@ def webhook_receiver() -> Iterator[Receiver]:
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     box.append(Receiver(f"http://127.0.0.1:{server.server_address[1]}"))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(
+        target=server.serve_forever, args=(SHUTDOWN_POLL_SECONDS,), daemon=True
+    )
     thread.start()
     try:
         yield box[0]

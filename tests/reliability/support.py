@@ -28,7 +28,7 @@ import redis
 
 from tests.fake_anthropic import FakeAnthropic
 from tests.keys import ACME, ACME_KEY
-from tests.services import free_port, gateway, redis_server
+from tests.services import free_port, gateway, redis_server, served
 from worker.constants import (
     ALL_QUEUES,
     BATCH_COUNTS_KEY,
@@ -309,15 +309,8 @@ class FlakyReceiver:
 def serve_hook(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
     """Serve ``handler`` on a free loopback port, in a thread, until the block ends: the
     receiver's ``/hook`` URL."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with served(ThreadingHTTPServer(("127.0.0.1", 0), handler)) as server:
         yield f"http://127.0.0.1:{server.server_address[1]}/hook"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
 
 
 # --- a restartable broker -------------------------------------------------------------
