@@ -110,6 +110,10 @@ class ReplyLoss:
                 _close(client)
                 continue
             upstream = socket.create_connection(("127.0.0.1", self._target))
+            for sock in (client, upstream):  # each relayed chunk goes at once, as Redis's do:
+                # with Nagle's algorithm on, a chunk sent while the one before was not yet
+                # acknowledged waited for the peer's delayed ACK (about 40 ms)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 self._open += [client, upstream]
             link = _Link(client, upstream)
