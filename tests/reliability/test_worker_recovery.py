@@ -1,7 +1,7 @@
 """A dead worker's batch comes back in seconds, at default settings, with one result per item.
 
-Each test runs a real stack of its own (redis-server, the gateway under uvicorn, ``sift
-worker`` processes on the threads pool, the fake Messages API answering in 0.3 s) with
+Each test runs a real stack (redis-server, the gateway under uvicorn, ``sift worker``
+processes on the threads pool, the fake Messages API answering in 0.3 s) with
 every ``SIFT_`` setting that matters here at its default: the broker's visibility timeout
 (about 27 minutes), the heartbeat (2 s, dead after 10 s), the worker's 300 threads, the
 chunk size. Only the things a test cannot run without are set: the Redis URL, the keys, the
@@ -89,18 +89,35 @@ class RecoveryStack(NamedTuple):
     client: httpx.Client  # a client of its gateway
 
 
-@contextmanager
-def recovery_stack(tmp_path: Path, model: FakeAnthropic) -> Iterator[RecoveryStack]:
-    """redis-server and the gateway at default settings, and a client of the gateway; each
-    test starts (and kills) its own workers."""
-    with redis_server(tmp_path / "redis") as base_url:
+@pytest.fixture(scope="module")
+def shared(
+    tmp_path_factory: pytest.TempPathFactory, model: FakeAnthropic
+) -> Iterator[RecoveryStack]:
+    """redis-server and the gateway at default settings, and a client of the gateway, for
+    every test of the module (:func:`recovery_stack` empties them between tests): each test
+    starts (and kills) its own workers (a gateway of its own took 1 to 4 s of each test)."""
+    tmp = tmp_path_factory.mktemp("recovery")
+    with redis_server(tmp / "redis") as base_url:
         url = base_url + "/0"
         env = default_env(url, model.url)
         with (
-            gateway(tmp_path / "g", env) as base,
+            gateway(tmp / "g", env) as base,
             httpx.Client(base_url=base, timeout=30) as client,
         ):
             yield RecoveryStack(url, env, client)
+
+
+@contextmanager
+def recovery_stack(shared: RecoveryStack) -> Iterator[RecoveryStack]:
+    """The module's stack as a test of its own finds it: the Redis database emptied (no job,
+    message, worker record or budget of an earlier test), and its workers' environment with
+    a data folder of their own (no index an earlier test's workers wrote)."""
+    flushed = redis.Redis.from_url(shared.url)
+    try:
+        flushed.flushdb()
+    finally:
+        flushed.close()
+    yield shared._replace(env=default_env(shared.url, shared.env["ANTHROPIC_BASE_URL"]))
 
 
 @contextmanager
@@ -181,10 +198,10 @@ def test_the_defaults_are_what_this_file_claims() -> None:
 
 @pytest.mark.timeout(420)
 def test_a_killed_worker_s_batch_finishes_on_a_new_worker_within_the_window(
-    tmp_path: Path, model: FakeAnthropic, receiver: Receiver
+    tmp_path: Path, model: FakeAnthropic, shared: RecoveryStack, receiver: Receiver
 ) -> None:
     model.reset()
-    with recovery_stack(tmp_path, model) as (url, env, client):
+    with recovery_stack(shared) as (url, env, client):
         with worker(tmp_path / "w", env, "a") as worker_a:
             ingest(client)
             batch_id = submit(client, TOTAL, webhook_url=receiver.url)
@@ -220,7 +237,9 @@ def test_a_killed_worker_s_batch_finishes_on_a_new_worker_within_the_window(
 
 
 @pytest.mark.timeout(300)
-def test_a_slow_healthy_worker_is_never_run_twice(tmp_path: Path, model: FakeAnthropic) -> None:
+def test_a_slow_healthy_worker_is_never_run_twice(
+    tmp_path: Path, model: FakeAnthropic, shared: RecoveryStack
+) -> None:
     """Each model call takes 15 s, longer than a heartbeat's TTL (10 s) and several checks
     for dead workers (every 2 s): two live workers share a batch and no item's model call
     happens twice."""
@@ -229,7 +248,7 @@ def test_a_slow_healthy_worker_is_never_run_twice(tmp_path: Path, model: FakeAnt
     model.configure(delay=15.0)
     try:
         with (
-            recovery_stack(tmp_path, model) as (url, env, client),
+            recovery_stack(shared) as (url, env, client),
             worker(tmp_path / "w", env, "a"),
             worker(tmp_path / "w", env, "b"),
         ):
@@ -250,11 +269,11 @@ def test_a_slow_healthy_worker_is_never_run_twice(tmp_path: Path, model: FakeAnt
 
 @pytest.mark.timeout(300)
 def test_sigterm_hands_the_batch_back_and_another_worker_finishes_it_once(
-    tmp_path: Path, model: FakeAnthropic
+    tmp_path: Path, model: FakeAnthropic, shared: RecoveryStack
 ) -> None:
     model.reset()
     soft_shutdown = Settings(_env_file=None).worker_soft_shutdown_seconds  # type: ignore[call-arg]
-    with recovery_stack(tmp_path, model) as (url, env, client):
+    with recovery_stack(shared) as (url, env, client):
         with worker(tmp_path / "w", env, "a") as worker_a:
             ingest(client)
             batch_id = submit(client, TOTAL)
@@ -280,7 +299,7 @@ def test_sigterm_hands_the_batch_back_and_another_worker_finishes_it_once(
 
 @pytest.mark.timeout(300)
 def test_a_killed_worker_s_searches_and_their_webhooks_come_back(
-    tmp_path: Path, model: FakeAnthropic, receiver: Receiver
+    tmp_path: Path, model: FakeAnthropic, shared: RecoveryStack, receiver: Receiver
 ) -> None:
     """Single searches (each with a webhook) killed mid-rerank come back on a new worker:
     each ends ``succeeded`` and its ``search.completed`` webhook arrives."""
@@ -288,7 +307,7 @@ def test_a_killed_worker_s_searches_and_their_webhooks_come_back(
     model.reset()
     model.configure(delay=8.0)  # the searches are all mid-rerank at the kill
     try:
-        with recovery_stack(tmp_path, model) as (_, env, client):
+        with recovery_stack(shared) as (_, env, client):
             with worker(tmp_path / "w", env, "a") as worker_a:
                 ingest(client)
                 ids = [
@@ -328,7 +347,7 @@ def test_a_killed_worker_s_searches_and_their_webhooks_come_back(
 
 @pytest.mark.timeout(300)
 def test_a_webhook_whose_worker_is_killed_mid_delivery_is_delivered_by_the_next_worker(
-    tmp_path: Path, model: FakeAnthropic
+    tmp_path: Path, model: FakeAnthropic, shared: RecoveryStack
 ) -> None:
     """A search's webhook at the receiver, unanswered, when its worker is SIGKILLed: its
     worker holds the attempt's claim (one per job, so that a second copy of the attempt
@@ -338,7 +357,7 @@ def test_a_webhook_whose_worker_is_killed_mid_delivery_is_delivered_by_the_next_
     job's webhook shows ``delivered`` after 1 attempt (the one cut by the kill was never
     recorded), and the receiver had it twice."""
     with (
-        recovery_stack(tmp_path, model) as (url, env, client),
+        recovery_stack(shared) as (url, env, client),
         slow_receiver() as receiver,  # holds each POST until released, then 204
     ):
         raw = redis.Redis.from_url(url, decode_responses=True)
@@ -367,7 +386,7 @@ def test_a_webhook_whose_worker_is_killed_mid_delivery_is_delivered_by_the_next_
 
 @pytest.mark.timeout(300)
 def test_a_killed_worker_s_search_is_finished_by_the_next_worker_past_its_first_deadline(
-    tmp_path: Path, model: FakeAnthropic
+    tmp_path: Path, model: FakeAnthropic, shared: RecoveryStack
 ) -> None:
     """A search killed mid-rerank comes back on a new worker once the dead worker's heartbeat
     is gone (10 s, then two checks): more than its deadline (8 s here: the setting under
@@ -378,7 +397,7 @@ def test_a_killed_worker_s_search_is_finished_by_the_next_worker_past_its_first_
     model.reset()
     model.configure(delay=60.0)  # the search is mid-rerank at the kill
     try:
-        with recovery_stack(tmp_path, model) as (_, env, client):
+        with recovery_stack(shared) as (_, env, client):
             env = {**env, "SIFT_SEARCH_DEADLINE_SECONDS": "8"}
             with worker(tmp_path / "w", env, "a") as worker_a:
                 ingest(client)
