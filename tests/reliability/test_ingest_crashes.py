@@ -55,27 +55,52 @@ class Crash(NamedTuple):
     directory: Path
 
 
-@contextmanager
-def crash_stack(tmp_path: Path) -> Iterator[Crash]:
-    """redis-server (AOF everysec) and the gateway at the defaults; workers are the test's."""
-    crashes = tmp_path / "crashes"
-    crashes.mkdir()
+def crash_env(redis_url: str, model_url: str, crashes: Path) -> dict[str, str]:
+    """The stack's environment at the defaults, its kill points recorded in ``crashes``."""
+    env = stack_env(
+        redis_url,
+        model_url,
+        SIFT_RUNTIME_FACTORY="tests.reliability.crashing_runtime:build_runtime",
+        CRASH_ONCE_DIR=str(crashes),
+    )
+    env.pop("SIFT_WORKER_SOFT_SHUTDOWN_SECONDS")  # its default
+    return env
+
+
+class Shared(NamedTuple):
+    client: httpx.Client  # the module's gateway's
+    redis_url: str
+    model_url: str
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shared]:
+    """redis-server (AOF everysec) and the gateway at the defaults, for every test of the
+    module (:func:`crash_stack` empties them between tests); the workers are each test's own
+    (a gateway of its own took 1 to 4 s of each test)."""
+    tmp = tmp_path_factory.mktemp("crashes")
     with (
         FakeAnthropic() as model,
-        redis_server(tmp_path / "redis", appendonly=True) as base_url,
+        redis_server(tmp / "redis", appendonly=True) as base_url,
     ):
-        env = stack_env(
-            base_url + "/0",
-            model.url,
-            SIFT_RUNTIME_FACTORY="tests.reliability.crashing_runtime:build_runtime",
-            CRASH_ONCE_DIR=str(crashes),
-        )
-        env.pop("SIFT_WORKER_SOFT_SHUTDOWN_SECONDS")  # its default
+        env = crash_env(base_url + "/0", model.url, tmp / "unused")
         with (
-            gateway(tmp_path / "g", env) as base,
+            gateway(tmp / "g", env) as base,
             httpx.Client(base_url=base, timeout=30) as client,
         ):
-            yield Crash(client, env, tmp_path)
+            yield Shared(client, base_url + "/0", model.url)
+
+
+@contextmanager
+def crash_stack(shared: Shared, tmp_path: Path) -> Iterator[Crash]:
+    """The module's stack as a test of its own finds it: the Redis database emptied (no job,
+    message or worker record of an earlier test); its workers' environment with a data
+    folder of their own and their kill points in ``tmp_path``, none of them passed yet."""
+    crashes = tmp_path / "crashes"
+    crashes.mkdir()
+    with redis.Redis.from_url(shared.redis_url) as direct:
+        direct.flushdb()
+    yield Crash(shared.client, crash_env(shared.redis_url, shared.model_url, crashes), tmp_path)
 
 
 @contextmanager
@@ -160,12 +185,12 @@ def recovered_by_the_dead_worker_check(crash: Crash) -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("point", ["die-embedding", "die-in-write", "die-after-write"])
 def test_an_ingest_whose_worker_was_killed_runs_again_once_and_says_what_it_wrote(
-    tmp_path: Path, point: str
+    shared: Shared, tmp_path: Path, point: str
 ) -> None:
     marker = {"id": point, "text": f"{point}: a document whose ingest kills its worker"}
     documents = [marker, *KEPT]
     ids = [d["id"] for d in documents]
-    with crash_stack(tmp_path) as crash:
+    with crash_stack(shared, tmp_path) as crash:
         with worker(crash, "a") as worker_a:
             job_id = upsert(crash.client, documents)
             killed(worker_a)
@@ -184,6 +209,7 @@ def test_an_ingest_whose_worker_was_killed_runs_again_once_and_says_what_it_wrot
 
 @pytest.mark.timeout(300)
 def test_a_write_right_after_a_worker_died_mid_write_is_taken_by_another_and_lands(
+    shared: Shared,
     tmp_path: Path,
 ) -> None:
     """Workers A and B both run; whichever takes the ingest dies inside its SQLite write
@@ -194,7 +220,7 @@ def test_a_write_right_after_a_worker_died_mid_write_is_taken_by_another_and_lan
     marker = {"id": "die-in-write", "text": "die-in-write: a document whose ingest kills"}
     ids = [marker["id"], *(d["id"] for d in KEPT)]
     with (
-        crash_stack(tmp_path) as crash,
+        crash_stack(shared, tmp_path) as crash,
         worker(crash, "a") as worker_a,
         worker(crash, "b") as worker_b,
     ):
@@ -216,10 +242,11 @@ def test_a_write_right_after_a_worker_died_mid_write_is_taken_by_another_and_lan
 
 @pytest.mark.timeout(300)
 def test_a_delete_whose_worker_was_killed_after_its_commit_reports_what_it_deleted(
+    shared: Shared,
     tmp_path: Path,
 ) -> None:
     ids = [d["id"] for d in KEPT]
-    with crash_stack(tmp_path) as crash:
+    with crash_stack(shared, tmp_path) as crash:
         with worker(crash, "a") as worker_a:
             assert final(crash.client, upsert(crash.client, KEPT))["upserted"] == len(KEPT)
             job_id = delete(crash.client, [*ids[:2], "never-written", "die-after-delete"])
@@ -238,14 +265,14 @@ def test_a_delete_whose_worker_was_killed_after_its_commit_reports_what_it_delet
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("by", ["ids", "drop"])
 def test_a_delete_accepted_after_a_killed_ingest_wins_whichever_runs_first(
-    tmp_path: Path, by: str
+    shared: Shared, tmp_path: Path, by: str
 ) -> None:
     """By ids or by dropping the index: the ingest's message comes back to worker B with the
     delete's, in whichever order, and nothing of the ingest is left."""
     marker = {"id": "die-embedding", "text": "die-embedding: kills its worker once"}
     documents = [marker, *KEPT]
     ids = [d["id"] for d in documents]
-    with crash_stack(tmp_path) as crash:
+    with crash_stack(shared, tmp_path) as crash:
         with worker(crash, "a") as worker_a:
             ingest_id = upsert(crash.client, documents)
             killed(worker_a)
@@ -272,11 +299,12 @@ def test_a_delete_accepted_after_a_killed_ingest_wins_whichever_runs_first(
 
 @pytest.mark.timeout(300)
 def test_a_drop_whose_worker_was_killed_after_its_commit_reports_what_it_deleted(
+    shared: Shared,
     tmp_path: Path,
 ) -> None:
     index = "die-after-drop"
     ids = [d["id"] for d in KEPT]
-    with crash_stack(tmp_path) as crash:
+    with crash_stack(shared, tmp_path) as crash:
         with worker(crash, "a") as worker_a:
             written = final(crash.client, upsert(crash.client, KEPT, index))
             assert written["upserted"] == len(KEPT)
@@ -337,6 +365,7 @@ def test_redis_killed_mid_ingest_the_job_finishes_once(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_an_ingest_restored_by_a_broker_reconnect_while_it_runs_runs_once(
+    shared: Shared,
     tmp_path: Path,
 ) -> None:
     """The worker's broker connections are killed (Redis stays up) while an ingest is being
@@ -346,7 +375,10 @@ def test_an_ingest_restored_by_a_broker_reconnect_while_it_runs_runs_once(
     marker = {"id": "held", "text": "hold-embedding: its embedding waits for the copy"}
     documents = [marker, *KEPT]
     ids = [d["id"] for d in documents]
-    with crash_stack(tmp_path) as crash, redis.Redis.from_url(crash.env["SIFT_REDIS_URL"]) as raw:
+    with (
+        crash_stack(shared, tmp_path) as crash,
+        redis.Redis.from_url(crash.env["SIFT_REDIS_URL"]) as raw,
+    ):
         port = free_port()
         with worker(crash, "a", port) as proc:
             job_id = upsert(crash.client, documents)
