@@ -26,7 +26,7 @@ from api_gateway.app import create_app
 from api_gateway.metrics import GatewayMetrics
 from worker.cli import app
 from worker.observability import metrics
-from worker.settings import NOT_SETTINGS, Settings
+from worker.settings import DAY, NOT_SETTINGS, Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 # the README and the docs/ files its sections moved to (one text for the checks over all of it)
@@ -154,20 +154,63 @@ def whole_number_bounds(name: str) -> list[int]:
     return [*upper, *lower]
 
 
+def names_bound(text: str, bound: float) -> bool:
+    """Whether ``text`` gives ``bound`` as a bound: the number (with or without thousands
+    separators) after "at most", "up to", "to", "from", "least", "≤" or an opening
+    parenthesis (``at most a week (604800)``), or before " to " (``2 to 90``); the same
+    number as a duration (``the 10 s left``) or a count of something else is none."""
+    whole = bound == int(bound)
+    numbers = {f"{int(bound)}", f"{int(bound):,}"} if whole else {f"{bound:g}"}
+    number = "|".join(re.escape(n) for n in sorted(numbers))
+    said = (rf"(?:(?:at most|up to|to|from|least|≤)\s+|\()(?:{number})(?![\d,]*\d)(?! s\b)"
+            rf"|(?<![\d,])(?:{number}) to ")  # fmt: skip
+    return re.search(said, text) is not None
+
+
 def test_the_settings_table_gives_each_whole_number_setting_s_bounds() -> None:
     """The table's introduction says every whole-number setting's row gives its bound and
     why; 21 rows gave none (SIFT_WORKER_CONCURRENCY's 5000, SIFT_GATEWAY_PORT's 65535, ...)
-    and SIFT_RERANK_CANDIDATE_MAX_CHARS not its least, 50. A bound is found written as the
-    number, with or without thousands separators."""
+    and SIFT_RERANK_CANDIDATE_MAX_CHARS not its least, 50. SIFT_GENERATION_MAX_REQUESTS's 10
+    was missing too, unseen while any 10 passed (its row's "the 10 s left")."""
     rows = settings_row_texts()
     missing = []
     for variable, name in env_names().items():
         for bound in whole_number_bounds(name):
-            if not {str(bound), f"{bound:,}"} & set(re.findall(r"[\d,]*\d", rows[variable])):
+            if not names_bound(rows[variable], bound):
                 missing.append(f"{variable}: {bound}")
     assert missing == [], f"bounds not in their Settings rows: {missing}"
     bounded = [name for name in env_names().values() if whole_number_bounds(name)]
     assert len(bounded) >= 30, bounded  # the check reads the fields' bounds at all
+
+
+def float_upper_bound(name: str) -> float | None:
+    """A number setting's upper bound, when the table's introduction does not give it: a
+    duration's day (86400) it does, for every one."""
+    field = Settings.model_fields[name]
+    if field.annotation not in (float, float | None):
+        return None
+    upper = [m.le for m in field.metadata if hasattr(m, "le")]
+    upper += [m.lt for m in field.metadata if hasattr(m, "lt")]
+    return upper[0] if upper and upper[0] != DAY else None
+
+
+def test_the_settings_table_gives_each_number_setting_s_bound_past_a_day() -> None:
+    """A number setting bounded otherwise than the introduction's day gives its bound in its
+    row, or the introduction names it with its bound: SIFT_WORKER_HEARTBEAT_SECONDS's 60 and
+    SIFT_WORKER_DEAD_AFTER_SECONDS's 600 were given nowhere, so a value past them stopped a
+    start the docs said would do."""
+    rows, table = settings_row_texts(), section("Settings")
+    introduction = table[: table.index("\n| `SIFT_")]
+    missing = []
+    for variable, name in env_names().items():
+        bound = float_upper_bound(name)
+        if bound is None or names_bound(rows[variable], bound):
+            continue
+        named = re.search(rf"`{variable}`[^`]*?(?:at most|\()", introduction)
+        if named is None:
+            missing.append(f"{variable}: {bound:g}")
+    assert missing == [], f"bounds given nowhere: {missing}"
+    assert [n for n in env_names().values() if float_upper_bound(n)], "no bound read at all"
 
 
 # the commit from which a SIFT_ variable that is no setting stops a Sift process at start
