@@ -157,6 +157,22 @@ def test_compose_stack_has_every_piece_wired(compose: dict[str, Any]) -> None:
     )
 
 
+def test_the_docs_say_where_the_compose_ports_listen(compose: dict[str, Any]) -> None:
+    """Every port the compose file publishes is on the host's loopback (the gateway's since
+    e2532a0: its /metrics has no token there), and deploy/README.md and sift.env.example say
+    so, with how to publish the API wider. Both said the gateway's port was published on all
+    interfaces, so an operator relied on reaching it, or feared /metrics open, wrongly."""
+    ports = [str(p) for s in compose["services"].values() for p in s.get("ports", [])]
+    assert ports and all(p.startswith("127.0.0.1:") for p in ports), ports
+    readme = " ".join((DEPLOY / "README.md").read_text().split())
+    example = " ".join((DEPLOY / "sift.env.example").read_text().replace("#", " ").split())
+    for text in (readme, example):
+        assert "all interfaces" not in text and "8080, published" not in text
+    assert "the gateway's 8080 included, listens on `127.0.0.1` only" in readme
+    assert "TLS proxy" in readme and "SIFT_METRICS_TOKEN" in readme
+    assert "8080 on 127.0.0.1 only" in example
+
+
 def test_every_compose_service_rotates_its_logs(compose: dict[str, Any]) -> None:
     """Docker's default json-file driver keeps a container's whole output: a worker logs a
     few lines a search (about 600 bytes), some 10 GB a day at 200 searches/s, until the
