@@ -6,7 +6,8 @@ import base64
 import json
 import socket
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from celery import Celery
@@ -45,10 +46,18 @@ class RedisOutbox:
             template = self._templates[name] = (dict(headers), dict(properties), body[2])
         return template
 
-    def message(self, name: str, args: list[Any], queue: str) -> tuple[str, str]:
-        """(list key, raw message) for one task."""
+    def message(
+        self, name: str, args: list[Any], queue: str, countdown: float | None = None
+    ) -> tuple[str, str]:
+        """(list key, raw message) for one task; due ``countdown`` seconds from now if given
+        (Celery's ``eta`` header: the worker that takes it holds it until then)."""
         task_id = str(uuid.uuid4())
         headers, properties, embed = self._template(name)
+        if countdown is not None:
+            headers = {
+                **headers,
+                "eta": (datetime.now(UTC) + timedelta(seconds=countdown)).isoformat(),
+            }
         raw_body = json.dumps([args, {}, embed], separators=(",", ":")).encode()
         envelope = {
             "body": base64.b64encode(raw_body).decode(),
@@ -78,6 +87,10 @@ class OutboxSender:
 
     def messages(self, batch: Sequence[TaskMessage]) -> list[tuple[str, str]]:
         return [self.outbox.message(name, args, queue) for name, args, queue in batch]
+
+    def due(self, name: str, args: list[Any], queue: str) -> Callable[[float], tuple[str, str]]:
+        """The message of one task, due in the seconds the caller gives it."""
+        return lambda seconds: self.outbox.message(name, args, queue, countdown=seconds)
 
     def send(self, name: str, args: list[Any], queue: str) -> None:
         self.store.push_messages(self.messages([(name, args, queue)]))

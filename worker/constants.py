@@ -142,6 +142,9 @@ ECONOMY_DELETE_REFUSALS_KEY = REDIS_PREFIX + "eco-delete-refusals"
 REWRITE_OWED_KEY = REDIS_PREFIX + "rewrite-owed"
 # string with a TTL of REWRITE_INTERVAL_SECONDS: a rewrite was started within the interval
 REWRITE_LATCH_KEY = REDIS_PREFIX + "rewrite-latch"
+# string with a TTL of REWRITE_INTERVAL_SECONDS: a payment of the owed rewrite is scheduled
+# (a REWRITE_TASK message due at the latch's expiry), so a burst of erases schedules one
+REWRITE_PAYMENT_KEY = REDIS_PREFIX + "rewrite-payment"
 
 # --- retention (seconds), enforced by Redis TTLs; stated in docs/queue.md ---
 RESULT_TTL_SECONDS = 7 * 24 * 3600  # job, batch and ingest records, counted from their end
@@ -197,6 +200,7 @@ ECONOMY_POLL_TASK = "sift.economy_poll"  # on BATCH_QUEUE: poll one provider bat
 ECONOMY_CANCEL_TASK = "sift.economy_cancel"  # on SEARCH_QUEUE: cancel a batch's provider batches
 # on SEARCH_QUEUE: delete an erased batch's provider batches (their requests and results)
 ECONOMY_DELETE_TASK = "sift.economy_delete"
+REWRITE_TASK = "sift.rewrite_owed"  # on SEARCH_QUEUE: pay the rewrite an erase left owed
 CANCEL_COUNT_TASK = "sift.cancel_count"  # on BATCH_QUEUE: count what a batch's cancel ended
 ALL_QUEUES = (SEARCH_QUEUE, BATCH_QUEUE, INGEST_QUEUE, WEBHOOK_QUEUE)
 # an ingest or delete task's soft time limit (seconds): its job's budget, which a backend's

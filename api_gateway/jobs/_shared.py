@@ -37,6 +37,7 @@ from worker.constants import (
     ECONOMY_DELETE_TASK,
     ERROR_JOB_STORE_FULL,
     ERROR_UNAVAILABLE,
+    REWRITE_TASK,
     SEARCH_ID_PREFIX,
     SEARCH_QUEUE,
 )
@@ -129,7 +130,10 @@ async def erase(request: Request, kind: ErasableKind, job_id: str, tenant: str) 
     provider = None
     if kind == "batch":
         (provider,) = task_sender(request).messages([(ECONOMY_DELETE_TASK, [job_id], SEARCH_QUEUE)])
-    erasure = await off_loop(job_store(request).erase_job, kind, tenant, job_id, provider)
+    # the Redis file rewrite an erase within the last one's interval leaves owed is paid by a
+    # worker at the interval's end, this task's (sent only then): not only by the re-drive
+    payment = task_sender(request).due(REWRITE_TASK, [], SEARCH_QUEUE)
+    erasure = await off_loop(job_store(request).erase_job, kind, tenant, job_id, provider, payment)
     if erasure.outcome is EraseOutcome.MISSING:
         raise no_job(kind, job_id)
     if erasure.outcome is EraseOutcome.NOT_FINISHED:

@@ -15,9 +15,12 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
+from starlette.testclient import TestClient
 
+from api_gateway.app import create_app
+from tests.integration.gateway_app import ACME, gateway_settings
 from tests.keys import ACME_KEY
-from tests.services import webhook_inbox
+from tests.services import celery_worker, webhook_inbox
 from worker.adapters.embedded import EmbeddedBackend
 from worker.constants import (
     ECONOMY_LEASE_KEY,
@@ -31,6 +34,7 @@ from worker.constants import (
     REWRITE_INTERVAL_SECONDS,
     REWRITE_LATCH_KEY,
     REWRITE_OWED_KEY,
+    REWRITE_PAYMENT_KEY,
     SEARCH_KEY,
     WEBHOOK_EVENT_SEARCH_COMPLETED,
     WEBHOOKS_OWED_KEY,
@@ -515,5 +519,41 @@ def test_sift_tenant_purge_has_redis_rewrite_its_aof(tmp_path: Path) -> None:
             assert "Redis was asked to rewrite its files" in purge.stdout, purge.stdout
             assert _settled(store.redis)["aof_rewrites"] == 1
             assert not _on_disk(tmp_path / "redis", query)
+        finally:
+            store.close()
+
+
+def test_with_the_re_drive_off_a_worker_pays_the_rewrite_the_latch_held_back(
+    tmp_path: Path,
+) -> None:
+    """``SIFT_REDRIVE_INTERVAL_SECONDS=0``: an erase through the gateway within the interval
+    of the last rewrite leaves its own owed and sends ``sift.rewrite_owed``, due when the
+    latch expires (shortened here to 2 s: the interval all but passed); a real worker takes
+    it then, and the erased text leaves the AOF. Before, only the re-drive's sweep paid it:
+    the text stayed on the disk until the next erase past the interval, however long."""
+    queries = ["erasable " + uuid.uuid4().hex for _ in range(2)]
+    (tmp_path / "redis").mkdir()
+    with redis_server(tmp_path / "redis", appendonly=True) as url:
+        store = JobStore.from_url(url + "/0")
+        try:
+            first, second = (_finished_search(store, q) for q in queries)
+            with TestClient(create_app(gateway_settings(url + "/0"))) as gateway:
+                assert gateway.delete(f"/v1/searches/{first}", headers=ACME).status_code == 200
+                assert _settled(store.redis)["aof_rewrites"] == 1
+                store.redis.expire(REWRITE_LATCH_KEY, 2)
+                assert gateway.delete(f"/v1/searches/{second}", headers=ACME).status_code == 200
+                assert gateway.delete(f"/v1/searches/{second}", headers=ACME).status_code == 200
+            assert store.redis.exists(REWRITE_OWED_KEY)  # held back by the latch
+            assert _on_disk(tmp_path / "redis", queries[1])
+            env = {"SIFT_REDIS_URL": url + "/0", "SIFT_WORKER_METRICS_PORT": "0",
+                   "SIFT_REDRIVE_INTERVAL_SECONDS": "0"}  # fmt: skip
+            with celery_worker(tmp_path, env, "worker", concurrency=2):
+                deadline = time.monotonic() + 60  # a hang guard, not a speed check
+                while store.redis.exists(REWRITE_OWED_KEY):
+                    assert time.monotonic() < deadline, (tmp_path / "worker.log").read_text()
+                    time.sleep(0.1)
+                assert _settled(store.redis)["aof_rewrites"] == 2
+            assert not _on_disk(tmp_path / "redis", queries[1])
+            assert not store.redis.exists(REWRITE_PAYMENT_KEY)
         finally:
             store.close()

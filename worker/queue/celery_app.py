@@ -313,6 +313,7 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
     after_setup_logger.connect(_job_ids_in_logs, weak=False, dispatch_uid="sift-log")
     after_setup_task_logger.connect(_job_ids_in_logs, weak=False, dispatch_uid="sift-task-log")
     import worker.queue.economy
+    import worker.queue.rewrite_task
     import worker.queue.tasks
     import worker.queue.webhook_task  # noqa: F401  (register the shared tasks with every app)
 

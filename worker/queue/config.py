@@ -32,6 +32,7 @@ from worker.constants import (
     INGEST_QUEUE,
     INGEST_TASK,
     INGEST_TIME_LIMIT_SECONDS,
+    REWRITE_TASK,
     SEARCH_QUEUE,
     SEARCH_TASK,
     WEBHOOK_QUEUE,
@@ -60,6 +61,7 @@ TASK_ROUTES: dict[str, dict[str, str]] = {
     ECONOMY_CANCEL_TASK: {"queue": SEARCH_QUEUE},
     ECONOMY_DELETE_TASK: {"queue": SEARCH_QUEUE},
     CANCEL_COUNT_TASK: {"queue": BATCH_QUEUE},
+    REWRITE_TASK: {"queue": SEARCH_QUEUE},
 }
 
 

@@ -50,6 +50,8 @@ Layout (every prefix is in :mod:`worker.constants`):
                                      files (AOF, RDB): they may still hold the erased text
     sift:rewrite-latch        string a rewrite was asked within REWRITE_INTERVAL_SECONDS
                                      (rewrite.py: one per interval, whatever the erases)
+    sift:rewrite-payment      string a sift.rewrite_owed message is due at the latch's
+                                     expiry (one per interval, whatever the erases held back)
 
 Retention, enforced by TTLs: every job, batch and ingest record lives
 ``SIFT_RESULT_RETENTION_SECONDS`` (``RESULT_TTL_SECONDS``, 7 days, by default) from the

@@ -68,7 +68,7 @@ from worker.constants import (
 )
 from worker.queue.jobstore.jobindex import KIND_BATCH, KIND_SEARCH, job_index_key
 from worker.queue.jobstore.records import _now
-from worker.queue.jobstore.rewrite import Rewrite, rewrite_if_owed
+from worker.queue.jobstore.rewrite import DueMessage, Rewrite, rewrite_if_owed, schedule_payment
 from worker.queue.jobstore.store import resending
 from worker.queue.jobstore.tenants import _JOB_KEYS, TenantJobs, TenantRecords
 
@@ -101,7 +101,12 @@ class ErasureRecords(TenantRecords):
     """Erase one finished search or batch of a tenant, and say whether one was erased."""
 
     def erase_job(
-        self, kind: str, tenant: str, job_id: str, provider: tuple[str, str] | None = None
+        self,
+        kind: str,
+        tenant: str,
+        job_id: str,
+        provider: tuple[str, str] | None = None,
+        payment: DueMessage | None = None,
     ) -> Erasure:
         """Erase ``tenant``'s finished ``kind`` job ``job_id`` (``search`` or ``batch``). Safe to
         call again: a job erased already answers as erased, with its first erasure's time.
@@ -112,7 +117,11 @@ class ErasureRecords(TenantRecords):
         (:meth:`provider_deletions`, and the candidates it has to judge:
         :meth:`provider_candidates`): the provider holds their requests and results (queries,
         candidates' text) for 29 days, and they are deleted there even if the caller never
-        hears the answer."""
+        hears the answer.
+
+        ``payment`` (a :data:`~worker.constants.REWRITE_TASK` message due in so many seconds)
+        is pushed when the rewrite's latch holds this erasure's rewrite back, due at its
+        expiry (:func:`~worker.queue.jobstore.rewrite.schedule_payment`)."""
         if kind not in ERASABLE:
             raise ValueError(f"kind: {kind!r} is not one of {ERASABLE}")
         record, *rest = (prefix + job_id for prefix in _JOB_KEYS[kind])
@@ -130,8 +139,18 @@ class ErasureRecords(TenantRecords):
             return Erasure(EraseOutcome.NOT_FINISHED, status=_text(value) or None)
         # the families a SCAN finds (leases, the economy watch's members), as a purge does
         self.delete_tenant_jobs(TenantJobs({kind: [job_id]}))
-        self.rewrite_files()
+        if self.rewrite_files() is Rewrite.LATCHED and payment is not None:
+            self.schedule_rewrite(payment)
         return Erasure(EraseOutcome.ERASED, erased_at=float(_text(value)))
+
+    def schedule_rewrite(self, payment: DueMessage) -> None:
+        """:func:`~worker.queue.jobstore.rewrite.schedule_payment`. Never raises: the erasure
+        is done, and the rewrite stays owed for the next erase or the re-drive's sweep."""
+        try:
+            schedule_payment(self.redis, payment)
+        except redis.RedisError as exc:
+            log.warning("the rewrite an erasure owes not scheduled (%s): the next erase past "
+                        "the interval, or the re-drive's sweep, asks it", exc)  # fmt: skip
 
     def rewrite_files(self) -> Rewrite:
         """Ask Redis to rewrite its files (AOF, RDB) now that an erasure owes it, unless one

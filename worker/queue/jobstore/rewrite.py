@@ -10,12 +10,17 @@ How. The erase's script, and the purge once it has deleted, mark a rewrite owed
 (:data:`~worker.constants.REWRITE_OWED_KEY`); whoever takes the latch
 (:data:`~worker.constants.REWRITE_LATCH_KEY`, ``SET NX EX``
 :data:`~worker.constants.REWRITE_INTERVAL_SECONDS`) pays it: the erase itself when no rewrite
-was started within the interval, else the re-drive's sweep once the latch has expired. So a
-burst of erases forks one rewrite per interval, not one each, and the last of them is off the
-disk an interval and a sweep after it at most. The mark is dropped before the rewrite is
-asked: an erasure that marks it after the drop keeps it owed for the next one, and one that
-marked it before is in this one (Redis forks the rewrite after the command). A rewrite already
-running may have forked before the erasure: the mark is set again, for the next interval.
+was started within the interval, else a worker once the latch has expired: an erase the latch
+held back has the task :data:`~worker.constants.REWRITE_TASK` sent, due at the latch's expiry
+(:func:`schedule_payment`, once per interval: :data:`~worker.constants.REWRITE_PAYMENT_KEY`),
+and the re-drive's sweep pays it too. So a burst of erases forks one rewrite per interval, not
+one each, and the last of them is off the disk an interval after it at most. Before, only the
+sweep paid it: with the re-drive off (``SIFT_REDRIVE_INTERVAL_SECONDS=0``) the text stayed on
+the disk until the next erase past the interval, however long that was. The mark is dropped
+before the rewrite is asked: an erasure that marks it after the drop keeps it owed for the
+next one, and one that marked it before is in this one (Redis forks the rewrite after the
+command). A rewrite already running may have forked before the erasure: the mark is set
+again, for the next interval.
 
 What is asked: ``BGREWRITEAOF`` when the AOF is on, ``BGSAVE SCHEDULE`` when RDB save points
 are set (after the AOF's rewrite, if both), nothing when Redis keeps no file. A Redis that
@@ -27,13 +32,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
+from collections.abc import Callable
 from enum import StrEnum
 from typing import cast
 
 import redis
 
-from worker.constants import REWRITE_INTERVAL_SECONDS, REWRITE_LATCH_KEY, REWRITE_OWED_KEY
+from worker.constants import (
+    REWRITE_INTERVAL_SECONDS,
+    REWRITE_LATCH_KEY,
+    REWRITE_OWED_KEY,
+    REWRITE_PAYMENT_KEY,
+)
 
 log = logging.getLogger(__name__)
 
@@ -112,3 +124,40 @@ def rewrite_if_owed(
                  ", ".join(" ".join(c) for c in commands))  # fmt: skip
         return Rewrite.STARTED
     return Rewrite.NO_FILES
+
+
+def latch_left(client: redis.Redis) -> float:
+    """Seconds until the latch lets the next rewrite be asked: at least 1 (none, or one
+    expiring now)."""
+    return max(1.0, client.pttl(REWRITE_LATCH_KEY) / 1000)
+
+
+#: A task message due in so many seconds: (list key, raw message), as the broker keeps it.
+DueMessage = Callable[[float], tuple[str, str]]
+
+
+def schedule_payment(client: redis.Redis, message_due: DueMessage) -> bool:
+    """Have a worker pay the rewrite the latch held back, when the latch expires: push
+    ``message_due(seconds left)``, unless a payment is scheduled already this interval
+    (:data:`~worker.constants.REWRITE_PAYMENT_KEY`, which lives until the message is due).
+    Answers whether it pushed one."""
+    due = latch_left(client)
+    if not client.set(REWRITE_PAYMENT_KEY, repr(time.time()), nx=True, ex=math.ceil(due)):
+        return False
+    key, raw = message_due(due)
+    client.lpush(key, raw)
+    return True
+
+
+def pay_owed(client: redis.Redis) -> float | None:
+    """The scheduled payment (:func:`schedule_payment`): the rewrite asked if still owed;
+    None once done, else in how many seconds to ask again (the latch taken since, or a
+    rewrite running, or Redis not answering), that retry holding the payment's key so no
+    erase meanwhile schedules a second. The key goes first: an erase after it schedules its
+    own payment, one before it is in this rewrite (or owes it again)."""
+    client.delete(REWRITE_PAYMENT_KEY)
+    if rewrite_if_owed(client) not in (Rewrite.LATCHED, Rewrite.BUSY, Rewrite.FAILED):
+        return None
+    due = latch_left(client)
+    client.set(REWRITE_PAYMENT_KEY, repr(time.time()), nx=True, ex=math.ceil(due))
+    return due
