@@ -528,8 +528,9 @@ def test_with_the_re_drive_off_a_worker_pays_the_rewrite_the_latch_held_back(
 ) -> None:
     """``SIFT_REDRIVE_INTERVAL_SECONDS=0``: an erase through the gateway within the interval
     of the last rewrite leaves its own owed and sends ``sift.rewrite_owed``, due when the
-    latch expires (shortened here to 2 s: the interval all but passed); a real worker takes
-    it then, and the erased text leaves the AOF. Before, only the re-drive's sweep paid it:
+    latch expires (shortened here to seconds: the interval all but passed; a task taken
+    before it asks again at its expiry); a real worker takes it, and the erased text leaves
+    the AOF. Before, only the re-drive's sweep paid it:
     the text stayed on the disk until the next erase past the interval, however long."""
     queries = ["erasable " + uuid.uuid4().hex for _ in range(2)]
     (tmp_path / "redis").mkdir()
@@ -540,10 +541,11 @@ def test_with_the_re_drive_off_a_worker_pays_the_rewrite_the_latch_held_back(
             with TestClient(create_app(gateway_settings(url + "/0"))) as gateway:
                 assert gateway.delete(f"/v1/searches/{first}", headers=ACME).status_code == 200
                 assert _settled(store.redis)["aof_rewrites"] == 1
-                store.redis.expire(REWRITE_LATCH_KEY, 2)
+                store.redis.persist(REWRITE_LATCH_KEY)  # held until the worker runs
                 assert gateway.delete(f"/v1/searches/{second}", headers=ACME).status_code == 200
-                assert gateway.delete(f"/v1/searches/{second}", headers=ACME).status_code == 200
+                assert store.redis.exists(REWRITE_PAYMENT_KEY)  # the task is on its way
             assert store.redis.exists(REWRITE_OWED_KEY)  # held back by the latch
+            store.redis.expire(REWRITE_LATCH_KEY, 2)  # the interval all but passed
             assert _on_disk(tmp_path / "redis", queries[1])
             env = {"SIFT_REDIS_URL": url + "/0", "SIFT_WORKER_METRICS_PORT": "0",
                    "SIFT_REDRIVE_INTERVAL_SECONDS": "0"}  # fmt: skip
@@ -555,5 +557,44 @@ def test_with_the_re_drive_off_a_worker_pays_the_rewrite_the_latch_held_back(
                 assert _settled(store.redis)["aof_rewrites"] == 2
             assert not _on_disk(tmp_path / "redis", queries[1])
             assert not store.redis.exists(REWRITE_PAYMENT_KEY)
+        finally:
+            store.close()
+
+
+def test_with_the_re_drive_off_a_worker_pays_the_rewrite_a_purge_owes(tmp_path: Path) -> None:
+    """A ``sift tenant purge`` within the interval of the last rewrite sends
+    ``sift.rewrite_owed`` due at the latch's expiry, as an erase does, asked again until the
+    latch (shortened here to 2 s after the purge) lets it through; a real
+    worker with the re-drive off pays it, and the tenant's query leaves the AOF. Before, the
+    purge said the re-drive's sweep would ask it, and with the re-drive off nothing did."""
+    query = "purgeable " + uuid.uuid4().hex
+    with redis_server(tmp_path / "redis", appendonly=True) as url:
+        store = JobStore.from_url(url + "/0")
+        try:
+            _finished_search(store, query)
+            backend = EmbeddedBackend(tmp_path / "data")
+            backend.indexes("acme")
+            backend.close()
+            store.redis.set(REWRITE_LATCH_KEY, "1")  # a rewrite asked just now, held
+            env = {"SIFT_REDIS_URL": url + "/0", "SIFT_DATA_DIR": str(tmp_path / "data"),
+                   "COLUMNS": "200", "NO_COLOR": "1"}  # fmt: skip
+            purge = subprocess.run(
+                [sys.executable, "-m", "worker.cli", "tenant", "purge", "acme", "--yes"],
+                env=child_env(env, inherit_sift=False), capture_output=True, text=True,
+                timeout=120,
+            )  # fmt: skip
+            assert purge.returncode == 0, purge.stdout + purge.stderr
+            assert store.redis.exists(REWRITE_OWED_KEY)  # held back by the latch
+            store.redis.expire(REWRITE_LATCH_KEY, 2)  # the interval all but passed: the
+            # task, due at once (the latch had no expiry), is taken early and asks again
+            worker_env = {"SIFT_REDIS_URL": url + "/0", "SIFT_WORKER_METRICS_PORT": "0",
+                          "SIFT_REDRIVE_INTERVAL_SECONDS": "0"}  # fmt: skip
+            with celery_worker(tmp_path, worker_env, "worker", concurrency=2):
+                deadline = time.monotonic() + 60  # a hang guard, not a speed check
+                while store.redis.exists(REWRITE_OWED_KEY):
+                    assert time.monotonic() < deadline, (tmp_path / "worker.log").read_text()
+                    time.sleep(0.1)
+                assert _settled(store.redis)["aof_rewrites"] == 1
+            assert not _on_disk(tmp_path / "redis", query)
         finally:
             store.close()

@@ -33,7 +33,8 @@ documents for good), and a tenant given the same name later inherits them. This 
 3. every Redis key that names the tenant or one of its jobs is deleted
    (:mod:`worker.queue.jobstore.tenants` lists the families), and Redis is asked to rewrite
    its files, whose AOF still holds the writes of what went (at most once every
-   ``REWRITE_INTERVAL_SECONDS``: one held back is asked for by a worker's re-drive sweep,
+   ``REWRITE_INTERVAL_SECONDS``: one held back is asked for by a worker when the interval
+   ends, the task ``sift.rewrite_owed`` sent then, and by the re-drive's sweep,
    :mod:`worker.queue.jobstore.rewrite`); a line says which.
 
 It prints what it removed, by kind. Everything is found afresh, so a second run removes
@@ -60,11 +61,17 @@ from worker.cli._app import app
 from worker.cli._common import EXIT_ERROR, stack_redis_url
 from worker.cli._output import cli_console, plain
 from worker.cli.service import DEV_KEY_FILE
-from worker.constants import ECONOMY_DELETE_TASK, REWRITE_INTERVAL_SECONDS, SEARCH_QUEUE
+from worker.constants import (
+    ECONOMY_DELETE_TASK,
+    REWRITE_INTERVAL_SECONDS,
+    REWRITE_TASK,
+    SEARCH_QUEUE,
+)
 from worker.core.ports import IndexCatalog
 from worker.errors import ConfigError, SiftError
 from worker.queue.jobstore import JobStore, Rewrite, TenantJobs, owe_rewrite
 from worker.queue.jobstore.jobindex import KIND_BATCH
+from worker.queue.jobstore.rewrite import schedule_payment
 from worker.redis_client import CONNECTION_OPTIONS
 from worker.settings import TENANT_PATTERN, Settings, load_settings
 from worker.write_versions import next_write_version
@@ -309,6 +316,8 @@ def purge(
         deleted = store.delete_tenant_jobs(jobs) + store.delete_tenant_keys(name)
         owe_rewrite(client)  # Redis's AOF still holds the writes of what went
         rewrite = store.rewrite_files()
+        if rewrite in (Rewrite.LATCHED, Rewrite.BUSY):
+            _schedule_rewrite(settings, client)
     except (redis.RedisError, OSError, SiftError) as exc:
         _stop(f"purge of {name!r} stopped (run it again to finish): {plain(exc)}")
     finally:
@@ -317,14 +326,32 @@ def purge(
     cli_console().print(_REWRITES[rewrite], soft_wrap=True)
 
 
+def _schedule_rewrite(settings: Settings, client: redis.Redis) -> None:
+    """Have a worker ask the rewrite the latch held back, or a rewrite running, once the
+    latch expires (``sift.rewrite_owed``, as an erase does): with the re-drive off no sweep
+    would, and the purged text stayed in the AOF until the next erase past the interval."""
+    from celery import Celery
+
+    from worker.queue.config import celery_config
+
+    celery = Celery("sift-purge", set_as_current=False)
+    celery.config_from_object(celery_config(settings))
+    try:
+        schedule_payment(client, lambda due: celery.send_task(
+            REWRITE_TASK, queue=SEARCH_QUEUE, countdown=due, ignore_result=True
+        ))  # fmt: skip
+    finally:
+        celery.close()
+
+
 _REWRITES = {
     Rewrite.STARTED: "Redis was asked to rewrite its files (AOF, RDB): the erased text leaves "
     "its disk once the rewrite ends",
     Rewrite.LATCHED: "Redis was asked to rewrite its files within the last "
-    f"{REWRITE_INTERVAL_SECONDS} s: a worker's re-drive sweep asks it again once they have "
-    "passed",
-    Rewrite.BUSY: "Redis was rewriting its files already: a worker's re-drive sweep asks it "
-    "again once that ends",
+    f"{REWRITE_INTERVAL_SECONDS} s: a worker asks it again once they have passed "
+    "(sift.rewrite_owed, sent now)",
+    Rewrite.BUSY: "Redis was rewriting its files already: a worker asks it again in "
+    f"{REWRITE_INTERVAL_SECONDS} s (sift.rewrite_owed, sent now)",
     Rewrite.NO_FILES: "Redis keeps no AOF and no RDB snapshots: nothing of it on its disk",
     Rewrite.REFUSED: "Redis refused to rewrite its files (BGREWRITEAOF, BGSAVE): its AOF or "
     "RDB keeps the erased text until it rewrites them itself",

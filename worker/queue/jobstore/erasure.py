@@ -147,7 +147,7 @@ class ErasureRecords(TenantRecords):
         """:func:`~worker.queue.jobstore.rewrite.schedule_payment`. Never raises: the erasure
         is done, and the rewrite stays owed for the next erase or the re-drive's sweep."""
         try:
-            schedule_payment(self.redis, payment)
+            schedule_payment(self.redis, lambda due: self.redis.lpush(*payment(due)))
         except redis.RedisError as exc:
             log.warning("the rewrite an erasure owes not scheduled (%s): the next erase past "
                         "the interval, or the re-drive's sweep, asks it", exc)  # fmt: skip

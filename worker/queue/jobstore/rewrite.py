@@ -136,16 +136,15 @@ def latch_left(client: redis.Redis) -> float:
 DueMessage = Callable[[float], tuple[str, str]]
 
 
-def schedule_payment(client: redis.Redis, message_due: DueMessage) -> bool:
-    """Have a worker pay the rewrite the latch held back, when the latch expires: push
-    ``message_due(seconds left)``, unless a payment is scheduled already this interval
-    (:data:`~worker.constants.REWRITE_PAYMENT_KEY`, which lives until the message is due).
-    Answers whether it pushed one."""
+def schedule_payment(client: redis.Redis, send: Callable[[float], object]) -> bool:
+    """Have a worker pay the rewrite the latch held back, when the latch expires:
+    ``send(seconds left)`` sends the task due then, unless a payment is scheduled already
+    this interval (:data:`~worker.constants.REWRITE_PAYMENT_KEY`, which lives until the
+    message is due). Answers whether it sent one."""
     due = latch_left(client)
     if not client.set(REWRITE_PAYMENT_KEY, repr(time.time()), nx=True, ex=math.ceil(due)):
         return False
-    key, raw = message_due(due)
-    client.lpush(key, raw)
+    send(due)
     return True
 
 
