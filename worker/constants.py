@@ -137,6 +137,10 @@ ECONOMY_DELETE_REFUSED_KEY = REDIS_PREFIX + "eco-delete-refused:"
 # hash erased batch id -> the token of the delete task a starting worker sent to ask its
 # refused ones again ('': none sent since the last refusal)
 ECONOMY_DELETE_REFUSALS_KEY = REDIS_PREFIX + "eco-delete-refusals"
+# + erased batch id -> string (a delete task's id), with a TTL a few polls long: the lease of
+# the batch's one retrying delete task (its chain), renewed at each of its runs; another task
+# for the batch finding it live hands its work (already in the sets the chain reads) over
+ECONOMY_DELETE_CHAIN_KEY = REDIS_PREFIX + "eco-delete-chain:"
 # string (a time): an erasure (an erase, a tenant purge) since Redis last rewrote its files,
 # whose erased text its AOF or RDB snapshot may still hold (worker/queue/jobstore/rewrite.py)
 REWRITE_OWED_KEY = REDIS_PREFIX + "rewrite-owed"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ from tests.services import celery_worker
 from worker.adapters.anthropic import AnthropicReranker
 from worker.adapters.anthropic_batches import AnthropicMessageBatches
 from worker.constants import (
+    ECONOMY_DELETE_CHAIN_KEY,
     ECONOMY_DELETE_KEY,
     ECONOMY_DELETE_TASK,
     ECONOMY_PROVIDERS_KEY,
@@ -51,9 +53,9 @@ class Retry(Exception):
 class _Task:
     """What the delete task uses of a Celery task: its context, its request, its retry."""
 
-    def __init__(self, context: WorkerContext) -> None:
+    def __init__(self, context: WorkerContext, task_id: str = "t1") -> None:
         self.context = context
-        self.request = SimpleNamespace(id="t1", retries=0)
+        self.request = SimpleNamespace(id=task_id, retries=0)
         self.countdowns: list[float] = []
 
     def retry(self, countdown: float, **_: Any) -> Retry:
@@ -427,3 +429,157 @@ def test_a_cancel_without_the_model_is_asked_again_at_the_poll_cadence(
     task.app = SimpleNamespace(send_task=lambda *a, **kw: None)  # type: ignore[attr-defined]
     cancel_economy_batch(task, batch.id)  # type: ignore[arg-type]
     assert [b["status"] for b in model.batches()] != ["in_progress"]
+
+
+def _running_candidate(model: FakeAnthropic, client: AnthropicMessageBatches) -> str:
+    """A create in doubt's candidate still running (for an hour): never judged before then."""
+    model.configure(batch_processing_seconds=3600.0)
+    return client.create([{"custom_id": "i0-s2", "params": PARAMS}]).id
+
+
+def test_each_worker_start_hands_the_refused_deletes_to_the_batch_s_one_delete_chain(
+    model: FakeAnthropic, client: AnthropicMessageBatches, store: JobStore, redis_url: str
+) -> None:
+    """A delete refused for the key and a candidate still running: the erase's task retries
+    (one chain, to judge the candidate). Each worker start's task takes the refused delete
+    back and hands it to that chain, whose next run asks it, and ends: one chain, however
+    many starts. Before, each start's task asked it and, finding the candidate running,
+    retried too: N starts, N+1 chains polling the same candidate until it ended (24 h)."""
+    made = _made(client)
+    running = _running_candidate(model, client)
+    record = {"round": 1, "requests": 1, "created_at": 1.0, "ended_at": 2.0}
+    candidate = {**record, "ended_at": None, "submission": "s2", "doubt": True}
+    batch_id = _erased_batch(store, {made: record, running: candidate})
+    context = WorkerContext(settings=load_settings(redis_url=redis_url), store=store,
+                            limiter=ProviderLimiter(1), _batches=client)  # fmt: skip
+    chain = _Task(context, "erase")
+    model.script_batch_calls("delete", [status(403)])
+    with pytest.raises(Retry):
+        delete_erased(chain, batch_id)  # type: ignore[arg-type]
+    assert store.provider_deletions(batch_id) == [] and store.refused_batches() == [batch_id]
+    sent: list[tuple[str, str]] = []
+    for start in range(5):  # a rollout, OOM restarts, a crash loop
+        sent.clear()
+        assert ask_refused_again(store, lambda *args: sent.append(args)) == (start == 0)
+        for args in sent:
+            delete_erased(_Task(context, f"start{start}"), *args)  # type: ignore[arg-type]
+    assert store.provider_deletions(batch_id) == [made]  # handed to the chain
+    with pytest.raises(Retry):  # the chain's next run: the key works now; the candidate runs
+        delete_erased(chain, batch_id)  # type: ignore[arg-type]
+    assert _held(model) == {running} and store.provider_deletions(batch_id) == []
+    model.configure(batch_processing_seconds=0.0)
+    delete_erased(chain, batch_id)  # type: ignore[arg-type]  # judged ours: deleted, the end
+    assert _held(model) == set()
+    assert store.redis.keys(f"*{batch_id}*") == [f"sift:erased:{batch_id}"]
+
+
+def test_a_chain_whose_worker_died_is_taken_over_by_the_next_message(
+    model: FakeAnthropic, client: AnthropicMessageBatches, store: JobStore, redis_url: str
+) -> None:
+    """The chain's lease lapses when its worker died and no copy of its message came back:
+    the next message for the batch (a starting worker's) takes the chain over and retries,
+    and a late copy of the old one, finding the new chain, ends."""
+    running = _running_candidate(model, client)
+    candidate = {"round": 1, "requests": 1, "created_at": 1.0, "ended_at": None,
+                 "submission": "s2", "doubt": True}  # fmt: skip
+    batch_id = _erased_batch(store, {running: candidate})
+    context = WorkerContext(settings=load_settings(redis_url=redis_url), store=store,
+                            limiter=ProviderLimiter(1), _batches=client)  # fmt: skip
+    old, new = _Task(context, "old"), _Task(context, "new")
+    with pytest.raises(Retry):
+        delete_erased(old, batch_id)  # type: ignore[arg-type]
+    assert store.redis.pttl(ECONOMY_DELETE_CHAIN_KEY + batch_id) > 0  # its lease, renewed
+    delete_erased(new, batch_id)  # type: ignore[arg-type]  # the chain lives: handed over
+    assert new.countdowns == []
+    store.redis.delete(ECONOMY_DELETE_CHAIN_KEY + batch_id)  # the lease lapsed
+    with pytest.raises(Retry):
+        delete_erased(new, batch_id)  # type: ignore[arg-type]  # takes the chain over
+    delete_erased(old, batch_id)  # type: ignore[arg-type]  # a late copy of the old: ends
+    assert len(old.countdowns) == 1
+    model.configure(batch_processing_seconds=0.0)
+    delete_erased(new, batch_id)  # type: ignore[arg-type]
+    assert _held(model) == set()
+    assert store.redis.keys(f"*{batch_id}*") == [f"sift:erased:{batch_id}"]
+
+
+def test_a_start_without_the_model_takes_the_refused_ones_and_its_retry_deletes_them(
+    model: FakeAnthropic, client: AnthropicMessageBatches, store: JobStore, redis_url: str
+) -> None:
+    """A worker without ``SIFT_GENERATION_MODEL`` starting takes the batch's refused deletes
+    back (its token task runs before it knows it has no client), then retries at the poll's
+    cadence: a later start asks nothing (none is refused now), and the retry a worker with the
+    model takes deletes them. The ids never sit in ``sift:eco-delete:<batch>`` with no task
+    to read them."""
+    made = _made(client)
+    record = {"round": 1, "requests": 1, "created_at": 1.0, "ended_at": 2.0}
+    batch_id = _erased_batch(store, {made: record})
+    settings = load_settings(redis_url=redis_url)
+    with_model = WorkerContext(settings=settings, store=store, limiter=ProviderLimiter(1),
+                               _batches=client)  # fmt: skip
+    model.script_batch_calls("delete", [status(403)])
+    delete_erased(_Task(with_model, "erase"), batch_id)  # type: ignore[arg-type]  # refused
+    assert store.refused_batches() == [batch_id]
+    no_model = WorkerContext(settings=load_settings(redis_url=redis_url, generation_model=None),
+                             store=store, limiter=ProviderLimiter(1))  # fmt: skip
+    assert no_model.batches is None
+    sent: list[tuple[str, str]] = []
+    assert ask_refused_again(store, lambda *args: sent.append(args)) == 1
+    without = _Task(no_model, "start1")
+    with pytest.raises(Retry):
+        delete_erased(without, *sent[-1])  # type: ignore[arg-type]
+    assert without.countdowns == [settings.economy_poll_seconds]
+    assert store.provider_deletions(batch_id) == [made] and store.refused_batches() == []
+    assert ask_refused_again(store, lambda *args: sent.append(args)) == 0  # start 2: nothing
+    delete_erased(_Task(with_model, "start1"), batch_id)  # type: ignore[arg-type]  # its retry
+    assert _held(model) == set()
+    assert store.redis.keys(f"*{batch_id}*") == [f"sift:erased:{batch_id}"]
+
+
+def _retrying(log: Path) -> set[str]:
+    """The delete tasks (Celery keeps a task's id across its retries) that retried in ``log``."""
+    text = log.read_text() if log.exists() else ""
+    return set(re.findall(r"sift\.economy_delete\[([0-9a-f-]+)\] retry", text))
+
+
+def _ended(log: Path) -> set[str]:
+    text = log.read_text() if log.exists() else ""
+    return set(re.findall(r"sift\.economy_delete\[([0-9a-f-]+)\] succeeded", text))
+
+
+def test_worker_starts_keep_one_delete_chain_per_erased_batch(
+    model: FakeAnthropic,
+    client: AnthropicMessageBatches,
+    store: JobStore,
+    redis_url: str,
+    tmp_path: Path,
+) -> None:
+    """Real workers: the erase's task retries while a candidate runs; two more starts each
+    send their token task, which hands the refused delete to that chain and ends. Before,
+    each start's task retried too, a chain of its own until the candidate ended."""
+    made = _made(client)
+    running = _running_candidate(model, client)
+    model.script_batch_calls("delete", [status(403)] * 200)  # this key may not delete
+    record = {"round": 1, "requests": 1, "created_at": 1.0, "ended_at": 2.0}
+    candidate = {**record, "ended_at": None, "submission": "s2", "doubt": True}
+    sender = OutboxSender(store)
+    _erased_batch(
+        store, {made: record, running: candidate},
+        lambda b: sender.messages([(ECONOMY_DELETE_TASK, [b], SEARCH_QUEUE)])[0],
+    )  # fmt: skip
+    env = {"SIFT_REDIS_URL": redis_url, "SIFT_GENERATION_MODEL": f"anthropic:{MODEL}",
+           "ANTHROPIC_BASE_URL": model.url, "ANTHROPIC_API_KEY": "sk-ant-test",
+           "SIFT_WORKER_METRICS_PORT": "0", "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1",
+           "SIFT_REDRIVE_INTERVAL_SECONDS": "0", "SIFT_ECONOMY_POLL_SECONDS": "0.5",
+           "SIFT_ECONOMY_POLL_MAX_SECONDS": "1"}  # fmt: skip
+    with celery_worker(tmp_path, env, "start0", concurrency=4):
+        _until(lambda: len(_retrying(tmp_path / "start0.log")) == 1)
+    chains = _retrying(tmp_path / "start0.log")
+    for start in (1, 2):
+        log = tmp_path / f"start{start}.log"
+        with celery_worker(tmp_path, env, f"start{start}", concurrency=4):
+            # the start's own task has run: ended, or retried as a chain of its own
+            _until(lambda: bool((_ended(log) | _retrying(log)) - chains))  # noqa: B023
+            _until(lambda: bool(_retrying(log) & chains))  # noqa: B023  # the chain polls on
+            chains |= _retrying(log)
+    assert len(chains) == 1, f"{len(chains)} delete chains for one erased batch"
+    assert _held(model) == {made, running}

@@ -27,7 +27,8 @@ a key is fixed by changing the workers' setting, which restarts them. A retry th
 refuses is logged and counted again, once, and waits for the next start; one that goes
 through is counted ``deleted``. Before, a refusal was final: fixed key or not, the provider
 batch stayed there for its 29 days. A candidate whose judgement the key refuses is kept
-aside the same way.
+aside the same way. One task retries per batch (its chain, holding a lease in Redis): a
+starting worker's task that finds it live leaves the refused ones it put back to it.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ log = logging.getLogger(__name__)
 #: The provider's answers to a delete that no retry changes: the key is not valid (401), or
 #: may not delete the batch (403).
 KEY_REFUSALS = frozenset({401, 403})
+
+#: A delete chain's lease past three polls (:func:`chain_lease`): a run's provider calls, each
+#: bounded by the SDK's timeout, fit in it.
+CHAIN_LEASE_MARGIN_SECONDS = 120.0
 
 
 def refused_for_good(exc: RerankAttemptError) -> bool:
@@ -129,19 +134,32 @@ def delete_erased(task: SiftTask, batch_id: str, refused_token: str = "") -> Non
     batches still kept for it, those judged ours with them; those not judged or deleted yet
     are tried again later (this message, retried), each judged or deleted one dropped. With
     the ``refused_token`` a starting worker sent it, its refused ones are tried again too,
-    once (the task's retries do not carry the token)."""
+    once (the task's retries do not carry the token).
+
+    One task retries per batch (its chain: :meth:`JobStore.claim_delete_chain`). Every run
+    reads the whole of the batch's sets, so a second chain would only ask the provider the
+    same again at each poll: a task finding another's chain live (a starting worker's, whose
+    refused ones it just put back in those sets) leaves them to it and ends. Before, each
+    worker start added a chain for as long as a candidate ran (up to 24 hours)."""
     store = task.context.store
     if refused_token and (taken := store.take_refused(batch_id, refused_token)):
         log.info("batch %s: asking %d refused provider batch deletes again", batch_id, taken)
+    chain = task.request.id or uuid.uuid4().hex
     candidates = store.provider_candidates(batch_id)
     if not candidates and not store.provider_deletions(batch_id):
+        _go_on(task, batch_id, chain, waits=[])  # something put back since: this one asks it
+        return
+    if not store.claim_delete_chain(batch_id, chain, chain_lease(poll_countdown(task))):
+        log.info("batch %s: its provider batches are left to the delete task already "
+                 "asking them", batch_id)  # fmt: skip
         return
     try:
         client = batches_client(task)
     except RerankAttemptError as exc:  # no model on this worker: one with it may take the retry
         log.error("batch %s: provider batches %s not deleted yet, asked again later: %s",
                   batch_id, store.provider_deletions(batch_id) + list(candidates), exc)  # fmt: skip
-        raise task.retry(countdown=poll_countdown(task), args=[batch_id], kwargs={}) from exc
+        _go_on(task, batch_id, chain, waits=[0.0], cause=exc)
+        return
     waits = [
         wait
         for wait in (_judged(task, client, batch_id, *c) for c in candidates.items())
@@ -165,8 +183,33 @@ def delete_erased(task: SiftTask, batch_id: str, refused_token: str = "") -> Non
             waits.append(wait)
     if waits:
         log.info("batch %s: %d provider batches left to judge or delete", batch_id, len(waits))
+    _go_on(task, batch_id, chain, waits)
+
+
+def chain_lease(countdown: float) -> float:
+    """How long a delete chain's lease lasts past its run's start or its retry: a few polls
+    (its retry comes after ``countdown``), and a margin for a run's provider calls. A chain
+    whose worker died leaves it to lapse, and the next message for the batch (the old one's
+    copy, redelivered, or a starting worker's) takes the chain over."""
+    return 3 * countdown + CHAIN_LEASE_MARGIN_SECONDS
+
+
+def _go_on(
+    task: SiftTask,
+    batch_id: str,
+    chain: str,
+    waits: list[float],
+    cause: Exception | None = None,
+) -> None:
+    """Retry the chain ``chain`` after the poll's cadence (or what the provider asked, if
+    longer) while it holds the batch's lease and has work left (:meth:`JobStore.
+    end_delete_chain`), its lease renewed; else end, the lease let go."""
+    countdown = max([poll_countdown(task), *waits])
+    if task.context.store.end_delete_chain(
+        batch_id, chain, chain_lease(countdown), waiting=bool(waits)
+    ):
         # without the token: a retry asks no refused delete again
-        raise task.retry(countdown=max(poll_countdown(task), *waits), args=[batch_id], kwargs={})
+        raise task.retry(countdown=countdown, args=[batch_id], kwargs={}) from cause
 
 
 def ask_refused_again(store: JobStore, send: Callable[[str, str], None]) -> int:

@@ -58,6 +58,7 @@ import redis
 from worker.constants import (
     ACTIVE_JOBS_KEY,
     ECONOMY_DELETE_CANDIDATES_KEY,
+    ECONOMY_DELETE_CHAIN_KEY,
     ECONOMY_DELETE_KEY,
     ECONOMY_DELETE_REFUSALS_KEY,
     ECONOMY_DELETE_REFUSED_KEY,
@@ -91,6 +92,10 @@ class Erasure:
     outcome: EraseOutcome
     erased_at: float | None = None
     status: str | None = None
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
 
 
 def _text(value: object) -> str:
@@ -243,6 +248,26 @@ class ErasureRecords(TenantRecords):
                 ECONOMY_DELETE_CANDIDATES_KEY + batch_id]  # fmt: skip
         # sent again on a broken connection: a run whose reply was lost took them (0 then)
         return int(resending()(self._take_refused, keys=keys, args=[batch_id, token]))
+
+    def claim_delete_chain(self, batch_id: str, task_id: str, lease_seconds: float) -> bool:
+        """Whether the delete task ``task_id`` is ``batch_id``'s one retrying chain: the lease
+        was free (or lapsed: its worker died) or its own, and is now its own for
+        ``lease_seconds``. False: another task's chain is live, and reads the same sets, so
+        this task's work (refused ones it put back, say) is that chain's to do."""
+        keys = [ECONOMY_DELETE_CHAIN_KEY + batch_id]
+        return bool(self._claim_delete_chain(keys=keys, args=[task_id, _ms(lease_seconds)]))
+
+    def end_delete_chain(
+        self, batch_id: str, task_id: str, lease_seconds: float, *, waiting: bool
+    ) -> bool:
+        """Whether the delete task ``task_id`` retries at the end of its run: it still holds
+        the chain's lease (free counts) and is ``waiting`` on the provider, or finds ids to
+        delete or candidates to judge (put back since it read them); the lease is renewed
+        then, let go when there is nothing left. A task whose lease another took ends."""
+        keys = [ECONOMY_DELETE_CHAIN_KEY + batch_id, ECONOMY_DELETE_KEY + batch_id,
+                ECONOMY_DELETE_CANDIDATES_KEY + batch_id]  # fmt: skip
+        args: list[str | int] = [task_id, _ms(lease_seconds), "1" if waiting else "0"]
+        return bool(self._end_delete_chain(keys=keys, args=args))
 
     def was_erased(self, job_id: str) -> bool:
         """Whether the job was erased (by its tenant: the mark's is the job's)."""

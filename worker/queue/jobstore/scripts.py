@@ -750,6 +750,34 @@ redis.call('DEL', KEYS[2])
 return #refused / 2
 """
 
+# An erased batch's delete task (ARGV[1], its id, which Celery keeps across its retries) claims
+# the batch's one retrying chain (KEYS[1], the lease): free or its own already, the lease is
+# (re)set to it for ARGV[2] ms. Returns 1 when it holds the lease, 0 when another task's chain
+# does (it reads the same sets: this task's work is handed to it).
+_CLAIM_DELETE_CHAIN = """
+local owner = redis.call('GET', KEYS[1])
+if owner and owner ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+# The end of a delete task's run: whether it retries. Another's chain holds the lease (this
+# one's lapsed): 0, it ends. Else, with work left to wait for (ARGV[3] '1') or anything in
+# the provider batches to delete (KEYS[2]) or the candidates to judge (KEYS[3]) (a starting
+# worker's task may have put refused ones back since this run read them), the lease is
+# renewed to it for ARGV[2] ms: 1, it retries; with nothing left it is let go: 0. One script,
+# so a task putting ids back either sees the lease let go (and takes it) or is seen here.
+_END_DELETE_CHAIN = """
+local owner = redis.call('GET', KEYS[1])
+if owner and owner ~= ARGV[1] then return 0 end
+if ARGV[3] ~= '1' and redis.call('EXISTS', KEYS[2], KEYS[3]) == 0 then
+  if owner then redis.call('DEL', KEYS[1]) end
+  return 0
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
 # Erase one finished search or batch of a tenant (DELETE /v1/searches/{id}, DELETE
 # /v1/batches/{id}/results): its record and every other key of it deleted, its members in
 # the tenant's job list, the active set and the webhooks owed removed, and its erasure mark

@@ -54,6 +54,7 @@ from worker.queue.jobstore.scripts import (
     _ASK_REFUSED,
     _CANCEL_BATCH,
     _CANDIDATE_JUDGED,
+    _CLAIM_DELETE_CHAIN,
     _CLAIM_IDEMPOTENCY,
     _CLAIM_RUN,
     _CLAIM_WEBHOOK,
@@ -64,6 +65,7 @@ from worker.queue.jobstore.scripts import (
     _ECONOMY_EXPECT,
     _ECONOMY_LEASE,
     _ECONOMY_WRITE,
+    _END_DELETE_CHAIN,
     _ERASE_JOB,
     _HELD_CHUNKS,
     _KEEP_ANSWER,
@@ -191,6 +193,8 @@ class _StoreCore:
         self._delete_refused = client.register_script(_DELETE_REFUSED)
         self._ask_refused = client.register_script(_ASK_REFUSED)
         self._take_refused = client.register_script(_TAKE_REFUSED)
+        self._claim_delete_chain = client.register_script(_CLAIM_DELETE_CHAIN)
+        self._end_delete_chain = client.register_script(_END_DELETE_CHAIN)
         # status transitions that threads ask for while one round trip is out go together
         # in the next (a worker's hundreds of threads each make two per search)
         self._transitions: Coalescer[list[_ScriptCall], list[Any]] = Coalescer(
