@@ -137,6 +137,11 @@ ECONOMY_DELETE_REFUSED_KEY = REDIS_PREFIX + "eco-delete-refused:"
 # hash erased batch id -> the token of the delete task a starting worker sent to ask its
 # refused ones again ('': none sent since the last refusal)
 ECONOMY_DELETE_REFUSALS_KEY = REDIS_PREFIX + "eco-delete-refusals"
+# + erased batch id -> set of provider batch ids whose delete the provider refused for the key
+# and was counted (sift_provider_batch_deletes_total{result="refused"}): a refusal is counted
+# once per provider batch, however many starts ask it again; kept with the refused ones'
+# retention, and deleted with the batch's delete chain once nothing is left
+ECONOMY_DELETE_COUNTED_KEY = REDIS_PREFIX + "eco-delete-refused-counted:"
 # + erased batch id -> string (a delete task's id), with a TTL a few polls long: the lease of
 # the batch's one retrying delete task (its chain), renewed at each of its runs; another task
 # for the batch finding it live hands its work (already in the sets the chain reads) over

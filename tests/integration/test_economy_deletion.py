@@ -238,7 +238,7 @@ def test_a_delete_refused_for_its_key_is_logged_once_counted_and_not_asked_again
         delete_erased(task, *sent[0])  # type: ignore[arg-type]
         delete_erased(task, *sent[0])  # type: ignore[arg-type]  # its copy: the token is used
     assert task.countdowns == [] and len(caplog.records) == 2
-    assert _deletes("refused") - refused == 2 and _held(model) == {provider_id}
+    assert _deletes("refused") - refused == 1 and _held(model) == {provider_id}  # counted once
     for _ in range(2):  # two workers start at once: each sends its task
         assert ask_refused_again(store, lambda *args: sent.append(args)) == 1
     stale, fresh = sent[-2:]
@@ -583,3 +583,34 @@ def test_worker_starts_keep_one_delete_chain_per_erased_batch(
             chains |= _retrying(log)
     assert len(chains) == 1, f"{len(chains)} delete chains for one erased batch"
     assert _held(model) == {made, running}
+
+
+def test_a_refusal_is_counted_once_per_provider_batch_and_a_candidate_s_read_not_at_all(
+    model: FakeAnthropic, client: AnthropicMessageBatches, store: JobStore, redis_url: str
+) -> None:
+    """``refused`` less the ``deleted`` that follow is what the provider still holds of an
+    erasure (docs/observability.md): a delete refused at the erase and again at a start, then
+    deleted at the next, counts one of each; a candidate whose read the key refused, judged
+    another client's after a start, counts neither. Before, the first counted two
+    ``refused`` for one ``deleted``, and the candidate one ``refused`` with nothing after:
+    two erasures read as held where the provider held none of Sift's."""
+    made = _made(client)
+    theirs = _made(client)  # ended; its line "i0" names no submission of the create's
+    record = {"round": 1, "requests": 1, "created_at": 1.0, "ended_at": 2.0}
+    candidate = {**record, "ended_at": None, "submission": "s2", "doubt": True}
+    batch_id = _erased_batch(store, {made: record, theirs: candidate})
+    context = WorkerContext(settings=load_settings(redis_url=redis_url), store=store,
+                            limiter=ProviderLimiter(1), _batches=client)  # fmt: skip
+    refused, deleted = _deletes("refused"), _deletes("deleted")
+    model.script_batch_calls("retrieve", [status(403)])  # the candidate's read refused
+    model.script_batch_calls("delete", [status(403)])  # the made one's delete refused
+    delete_erased(_Task(context, "erase"), batch_id)  # type: ignore[arg-type]
+    assert (_deletes("refused") - refused, _deletes("deleted") - deleted) == (1, 0)
+    sent: list[tuple[str, str]] = []
+    for start, answer in enumerate([status(403), good()]):  # the key fixed at the second
+        model.script_batch_calls("delete", [answer])
+        assert ask_refused_again(store, lambda *args: sent.append(args)) == 1
+        delete_erased(_Task(context, f"start{start}"), *sent[-1])  # type: ignore[arg-type]
+    assert _held(model) == {theirs}  # Sift's deleted; the other client's left
+    assert (_deletes("refused") - refused, _deletes("deleted") - deleted) == (1, 1)
+    assert store.redis.keys(f"*{batch_id}*") == [f"sift:erased:{batch_id}"]

@@ -140,13 +140,15 @@ PROVIDER_429 = Counter(
 )
 
 # an erased economy batch's provider batches (sift.economy_delete): deleted at the provider
-# (or gone there already), or refused for good (401, 403: the key may not delete it) and
-# no longer asked, left there for its 29 days unless deleted by hand
+# (or gone there already), or refused (401, 403: the key may not delete it), counted once per
+# provider batch however many worker starts ask it again, left there for its 29 days unless
+# a start with a fixed key deletes it (then counted deleted) or it is deleted by hand
 PROVIDER_DELETE_RESULTS: Final = ("deleted", "refused")
 PROVIDER_DELETES = Counter(
     METRIC_PROVIDER_DELETES,
     "An erased batch's provider batches, by result: deleted at the provider (or gone "
-    "already), or refused for good (HTTP 401 or 403: not asked again, left at the provider).",
+    "already), or refused (HTTP 401 or 403; once per provider batch: asked again only "
+    "when a worker starts, left at the provider until then).",
     ["result"],
 )
 
@@ -200,5 +202,5 @@ def provider_429(model: str, lane: str = LANE_STANDARD) -> None:
 @never_raises
 def provider_batch_delete(result: str) -> None:
     """An erased batch's provider batch was ``deleted`` at the provider, or ``refused`` for
-    good."""
+    the key (for the first time)."""
     PROVIDER_DELETES.labels(closed(result, PROVIDER_DELETE_RESULTS, "result")).inc()

@@ -24,10 +24,12 @@ batch, counted (``sift_provider_batch_deletes_total{result="refused"}``) and kep
 the batch's refused ones (``sift:eco-delete-refused:<batch>``, for as long as it would have
 been kept to delete), which a worker asks again once as it starts (:func:`ask_refused_again`):
 a key is fixed by changing the workers' setting, which restarts them. A retry the key still
-refuses is logged and counted again, once, and waits for the next start; one that goes
-through is counted ``deleted``. Before, a refusal was final: fixed key or not, the provider
-batch stayed there for its 29 days. A candidate whose judgement the key refuses is kept
-aside the same way. One task retries per batch (its chain, holding a lease in Redis): a
+refuses is logged again, once, and waits for the next start, not counted again (each provider
+batch's refusal counts once, so ``refused`` less the ``deleted`` that follow is what the
+provider still holds); one that goes through is counted ``deleted``. Before, a refusal was
+final: fixed key or not, the provider batch stayed there for its 29 days. A candidate whose
+judgement the key refuses is kept aside the same way, and not counted: it may be another
+client's. One task retries per batch (its chain, holding a lease in Redis): a
 starting worker's task that finds it live leaves the refused ones it put back to it.
 """
 
@@ -173,8 +175,8 @@ def delete_erased(task: SiftTask, batch_id: str, refused_token: str = "") -> Non
                       "(%s); asked again once when a worker starts (a fixed key restarts "
                       "them), else it keeps the batch's requests and results for 29 days "
                       "unless deleted there by hand", batch_id, provider_id, exc)  # fmt: skip
-            store.provider_refused(batch_id, provider_id)
-            metrics.provider_batch_delete("refused")
+            if store.provider_refused(batch_id, provider_id):  # counted once, however
+                metrics.provider_batch_delete("refused")  # many starts ask it again
             continue
         if wait is None:
             store.provider_deleted(batch_id, provider_id)
@@ -277,8 +279,8 @@ def _judged(
                       "asked again once when a worker starts, else, if it is Sift's, it keeps "
                       "the batch's requests and results for 29 days unless deleted there by "
                       "hand", batch_id, provider_id, exc)  # fmt: skip
+            # not counted: no delete was refused, and it may be another client's
             store.provider_refused(batch_id, provider_id, submission)
-            metrics.provider_batch_delete("refused")
             return None
         log.warning("provider batch %s: not judged yet (%s); asked again", provider_id, exc)
         return exc.retry_after or 0.0

@@ -59,6 +59,7 @@ from worker.constants import (
     ACTIVE_JOBS_KEY,
     ECONOMY_DELETE_CANDIDATES_KEY,
     ECONOMY_DELETE_CHAIN_KEY,
+    ECONOMY_DELETE_COUNTED_KEY,
     ECONOMY_DELETE_KEY,
     ECONOMY_DELETE_REFUSALS_KEY,
     ECONOMY_DELETE_REFUSED_KEY,
@@ -214,18 +215,20 @@ class ErasureRecords(TenantRecords):
 
     def provider_refused(
         self, batch_id: str, provider_id: str, submission: str | None = None
-    ) -> None:
+    ) -> bool:
         """The provider refused the key to delete ``provider_id`` (or, a candidate of the
         create ``submission``, to read it): no retry changes that until the key does. It is
         no longer asked at each try, but kept among the batch's refused ones, for as long as
         it would have been kept to delete, until a starting worker asks it again
-        (:meth:`ask_refused`)."""
+        (:meth:`ask_refused`). Answers whether its delete was refused for the first time
+        (to count once, however many starts ask it again; a candidate's read never is)."""
         source = ECONOMY_DELETE_KEY if submission is None else ECONOMY_DELETE_CANDIDATES_KEY
         keys = [source + batch_id, ECONOMY_DELETE_REFUSED_KEY + batch_id,
-                ECONOMY_DELETE_REFUSALS_KEY]  # fmt: skip
+                ECONOMY_DELETE_REFUSALS_KEY, ECONOMY_DELETE_COUNTED_KEY + batch_id]  # fmt: skip
         args = [provider_id, submission or "", self.result_ttl, batch_id]
-        # sent again on a broken connection: a run whose reply was lost finds it moved
-        resending()(self._delete_refused, keys=keys, args=args)
+        # sent again on a broken connection: a run whose reply was lost finds it moved (so
+        # a lost first reply goes uncounted, never counted twice)
+        return int(resending()(self._delete_refused, keys=keys, args=args)) == 2
 
     def refused_batches(self) -> list[str]:
         """The erased batches some of whose provider batches' deletes were refused."""
@@ -265,7 +268,8 @@ class ErasureRecords(TenantRecords):
         delete or candidates to judge (put back since it read them); the lease is renewed
         then, let go when there is nothing left. A task whose lease another took ends."""
         keys = [ECONOMY_DELETE_CHAIN_KEY + batch_id, ECONOMY_DELETE_KEY + batch_id,
-                ECONOMY_DELETE_CANDIDATES_KEY + batch_id]  # fmt: skip
+                ECONOMY_DELETE_CANDIDATES_KEY + batch_id, ECONOMY_DELETE_REFUSED_KEY + batch_id,
+                ECONOMY_DELETE_COUNTED_KEY + batch_id]  # fmt: skip
         args: list[str | int] = [task_id, _ms(lease_seconds), "1" if waiting else "0"]
         return bool(self._end_delete_chain(keys=keys, args=args))
 

@@ -692,8 +692,10 @@ return 1
 # batches to delete, or the candidates to judge when ARGV[2] is a submission) to the batch's
 # refused ones (KEYS[2], provider id -> submission, '' for one Sift made), which live at least
 # as long as KEYS[1] did (ARGV[3] seconds if it had no TTL), and the batch named in the index
-# of refusals (KEYS[3], ARGV[4]) for a starting worker to ask again. ARGV: 1 the provider id.
-# Returns 1 when moved, 0 when it was no longer there.
+# of refusals (KEYS[3], ARGV[4]) for a starting worker to ask again. A delete's refusal (not a
+# candidate's read) is noted in the batch's refusals counted (KEYS[4]), with the same life.
+# ARGV: 1 the provider id. Returns 2 when moved and its delete refused for the first time (to
+# count), 1 when moved, 0 when it was no longer there.
 _DELETE_REFUSED = """
 local life = redis.call('PTTL', KEYS[1])
 local removed
@@ -707,7 +709,10 @@ redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 if life <= 0 then life = tonumber(ARGV[3]) * 1000 end
 if redis.call('PTTL', KEYS[2]) < life then redis.call('PEXPIRE', KEYS[2], life) end
 redis.call('HSETNX', KEYS[3], ARGV[4], '')
-return 1
+if ARGV[2] ~= '' then return 1 end
+local first = redis.call('SADD', KEYS[4], ARGV[1])
+if redis.call('PTTL', KEYS[4]) < life then redis.call('PEXPIRE', KEYS[4], life) end
+return 1 + first
 """
 
 # A starting worker's turn to ask a batch's refused deletes again: a new token (ARGV[2]) for
@@ -765,13 +770,15 @@ return 1
 # one's lapsed): 0, it ends. Else, with work left to wait for (ARGV[3] '1') or anything in
 # the provider batches to delete (KEYS[2]) or the candidates to judge (KEYS[3]) (a starting
 # worker's task may have put refused ones back since this run read them), the lease is
-# renewed to it for ARGV[2] ms: 1, it retries; with nothing left it is let go: 0. One script,
-# so a task putting ids back either sees the lease let go (and takes it) or is seen here.
+# renewed to it for ARGV[2] ms: 1, it retries; with nothing left it is let go: 0, and with no
+# refused one kept either (KEYS[4]), the refusals counted (KEYS[5]) go too. One script, so a
+# task putting ids back either sees the lease let go (and takes it) or is seen here.
 _END_DELETE_CHAIN = """
 local owner = redis.call('GET', KEYS[1])
 if owner and owner ~= ARGV[1] then return 0 end
 if ARGV[3] ~= '1' and redis.call('EXISTS', KEYS[2], KEYS[3]) == 0 then
   if owner then redis.call('DEL', KEYS[1]) end
+  if redis.call('EXISTS', KEYS[4]) == 0 then redis.call('DEL', KEYS[5]) end
   return 0
 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
