@@ -23,6 +23,7 @@ from worker.cli import app
 from worker.constants import (
     BATCH_CHUNK_TASK,
     BATCH_QUEUE,
+    ECONOMY_DELETE_CHAIN_KEY,
     ECONOMY_DELETE_KEY,
     ECONOMY_PROVIDERS_KEY,
     ECONOMY_WATCH_KEY,
@@ -214,8 +215,9 @@ def test_an_economy_batch_is_erased_with_its_lane_state(stack: Stack) -> None:
     assert _holding(stack, *texts, word) == set()
     deadline = time.monotonic() + 30
     with redis.Redis.from_url(stack.redis_url + "/0") as r:
-        # until the task is done: each provider batch deleted, then dropped from its set
-        while r.exists(ECONOMY_DELETE_KEY + batch["id"]):
+        # until the task is done: each provider batch deleted, then dropped from its set, and
+        # the task's run over (its lease on the batch's deletes let go after the set went)
+        while r.exists(ECONOMY_DELETE_KEY + batch["id"], ECONOMY_DELETE_CHAIN_KEY + batch["id"]):
             assert time.monotonic() < deadline, stack.model.batches()
             time.sleep(0.05)
         marks = [key for key in r.scan_iter() if batch["id"].encode() in key]
