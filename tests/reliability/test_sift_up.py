@@ -33,10 +33,12 @@ import redis as redis_lib
 from tests.reliability.support import sample_documents, wait_for
 from tests.services import free_port, redis_server
 from worker.processes.stack import child_env, redis_service, running, stop
+from worker.processes.workers import STOP_GRACE_SECONDS
 
 pytestmark = pytest.mark.integration
 
 UP_TIMEOUT = 120.0  # a cold start loads the embedding model; the stack waits 60 s per process
+SOFT_SHUTDOWN_SECONDS = 10.0  # the default
 
 
 @dataclass
@@ -423,10 +425,11 @@ def test_stopping_sift_up_on_a_hung_redis_leaves_no_process_behind(tmp_path: Pat
     """``sift up`` on a Redis of the user's (``SIFT_REDIS_URL``) that hangs, accepting
     connections and never answering (redis-server SIGSTOPped): a Ctrl-C still ends every
     process of the stack, ``sift up`` first among them, each worker process past its stop
-    deadline with a line saying so.
+    deadline (its soft shutdown and the grace: its warm-up is over) with a line saying so.
 
     Before, each worker process's warm shutdown waited on Redis for good (closing its queues):
-    ``sift up`` SIGKILLed their supervisor after 15 s, and they stayed, orphaned."""
+    ``sift up`` SIGKILLed their supervisor after 15 s, and they stayed, orphaned. And with no
+    warm-up running, the deadline still counted a warm-up's wait (45 s, not 25)."""
     redis, redis_url = redis_service(tmp_path / "redis")
     with running(redis):
         assert redis.proc is not None
@@ -458,7 +461,8 @@ def test_stopping_sift_up_on_a_hung_redis_leaves_no_process_behind(tmp_path: Pat
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
     log = (running_up.logs / "worker.log").read_text(errors="replace")
-    assert "after the stop signal (Redis not answering?); exiting now" in log, log[-3000:]
+    gave_up = f"not stopped {SOFT_SHUTDOWN_SECONDS + STOP_GRACE_SECONDS:g} s after the stop signal"
+    assert gave_up + " (Redis not answering?); exiting now" in log, log[-3000:]
     assert proc.returncode == 0, running_up.printed()
 
 

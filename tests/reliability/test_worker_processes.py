@@ -57,6 +57,7 @@ from worker.processes.stack import (
     worker_process,
     worker_service,
 )
+from worker.processes.workers import STOP_GRACE_SECONDS
 from worker.settings import DEFAULT_PRICES
 
 pytestmark = pytest.mark.integration
@@ -284,10 +285,12 @@ def test_a_stop_on_a_hung_redis_ends_every_worker_process(
     """``sift worker --processes 2`` at default settings on a Redis that accepts connections
     and never answers (redis-server SIGSTOPped). SIGTERM to the supervisor: it and both
     processes exit. SIGKILL of the supervisor: both processes exit (their SIGTERM from
-    ``PR_SET_PDEATHSIG``). Each says it gave up its warm shutdown at its deadline.
+    ``PR_SET_PDEATHSIG``). Each says it gave up its warm shutdown at its deadline: its soft
+    shutdown and the grace, its warm-up over.
 
     Before, each process's warm shutdown waited on Redis for good: a SIGTERMed supervisor
-    waited for them for good, and a SIGKILLed one left them running, orphaned."""
+    waited for them for good, and a SIGKILLed one left them running, orphaned. And with no
+    warm-up running, the deadline still counted a warm-up's wait (45 s, not 25)."""
     redis_service_, redis_url = redis_service(tmp_path / "redis")
     with running(redis_service_):
         assert redis_service_.proc is not None
@@ -299,6 +302,8 @@ def test_a_stop_on_a_hung_redis_ends_every_worker_process(
         children: dict[str, int] = {}
         try:
             wait_for(lambda: workers.output().count(" ready.") >= 2, "both workers ready", 120)
+            wait_for(lambda: workers.output().count("loaded embedding model") >= 2,
+                     "both warm-ups", 120)  # fmt: skip
             children = workers.children()
             assert set(children) == {"duo-1", "duo-2"}, children
             redis_service_.proc.send_signal(signal.SIGSTOP)
@@ -312,7 +317,8 @@ def test_a_stop_on_a_hung_redis_ends_every_worker_process(
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
     output = workers.output()
-    assert output.count("(Redis not answering?); exiting now") == 2, output[-3000:]
+    gave_up = f"not stopped {SOFT_SHUTDOWN_SECONDS + STOP_GRACE_SECONDS:g} s after the stop signal"
+    assert output.count(gave_up + " (Redis not answering?); exiting now") == 2, output[-3000:]
     if how == signal.SIGTERM:
         assert proc.returncode == 0, output[-3000:]
         assert "every worker process stopped" in output, output[-3000:]

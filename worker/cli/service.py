@@ -135,7 +135,7 @@ def worker(
 ) -> None:
     """Run Celery workers, for deployment: one process per core by default, each with its
     threads pool, under one process that restarts any that exits and serves their metrics."""
-    from worker.queue.celery_app import create_celery_app
+    from worker.queue.celery_app import create_celery_app, warming_up
 
     overrides: dict[str, Any] = {}
     if concurrency is not None:  # 0 too: a bad value, not the setting's default
@@ -172,7 +172,7 @@ def worker(
         follow_supervisor(supervised_by)
     else:
         _single_process_metrics(settings)
-    exit_by_deadline(settings)  # a stop ends even on a Redis that never answers
+    exit_by_deadline(settings, warming_up)  # a stop ends even on a Redis that never answers
     celery = create_celery_app(settings)
     celery.worker_main(
         ["worker", "-n", f"{name}@%h", "-Q", queues, "--loglevel", settings.log_level,

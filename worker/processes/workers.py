@@ -62,30 +62,42 @@ STOP_GRACE_SECONDS = 15.0
 KILL_MARGIN_SECONDS = 5.0
 
 
-def stop_deadline(settings: Settings) -> float:
-    """The seconds a worker process told to stop takes at most: its soft shutdown, or the wait
-    for a warm-up still making the embedding graph (which a stop lets end: cut, its seconds
-    were lost), whichever is longer, then the grace."""
-    waits = max(settings.worker_soft_shutdown_seconds, WARM_UP_STOP_WAIT_SECONDS)
+def stop_deadline(settings: Settings, *, warming_up: bool) -> float:
+    """The seconds a worker process told to stop takes at most: its soft shutdown, then the
+    grace; with a warm-up still making the embedding graph (``warming_up``), the wait a stop
+    gives it (cut, its seconds were lost) instead when longer. Only then: counted on every
+    stop, a Redis that never answered held each 45 s at the defaults where 25 would do."""
+    waits = settings.worker_soft_shutdown_seconds
+    if warming_up:
+        waits = max(waits, WARM_UP_STOP_WAIT_SECONDS)
     return waits + STOP_GRACE_SECONDS
 
 
 def supervisor_stop_deadline(settings: Settings) -> float:
-    """The seconds ``sift worker``'s supervisor takes at most to stop its processes: whoever
-    stops it (``sift up``) waits longer than this before a SIGKILL."""
-    return stop_deadline(settings) + KILL_MARGIN_SECONDS
+    """The seconds ``sift worker``'s supervisor takes at most to stop its processes (each at
+    its longest, a warm-up running): whoever stops it (``sift up``) waits longer than this
+    before a SIGKILL."""
+    return stop_deadline(settings, warming_up=True) + KILL_MARGIN_SECONDS
 
 
-def exit_by_deadline(settings: Settings) -> None:
+def exit_by_deadline(settings: Settings, warming_up: Callable[[], bool]) -> None:
     """In a Celery worker process: once a stop begins (Celery's ``worker_shutting_down``,
     sent from its signal handler), end the process :func:`stop_deadline` later if it is still
-    there (``os._exit``, from a daemon timer: the main thread may be blocked on a socket)."""
+    there (``os._exit``, from a daemon timer: the main thread may be blocked on a socket).
+
+    The timer is set for the deadline without a warm-up; when it fires, a warm-up still
+    running (``warming_up()``) moves it to the one with. Asked then, not at the stop, a
+    warm-up begun after the stop (one that came while the worker started) is seen, and one
+    that ended soon after it holds nothing up."""
     from celery.signals import worker_shutting_down
 
-    seconds = stop_deadline(settings)
     armed = threading.Event()
+    longest = stop_deadline(settings, warming_up=True)
 
-    def give_up() -> None:
+    def give_up(stopped_at: float, seconds: float) -> None:
+        if seconds < longest and warming_up():
+            _daemon_timer(longest - (time.monotonic() - stopped_at), give_up, stopped_at, longest)
+            return
         print(f"sift worker: not stopped {seconds:g} s after the stop signal (Redis not "
               "answering?); exiting now", file=sys.stderr, flush=True)  # fmt: skip
         os._exit(1)
@@ -93,11 +105,18 @@ def exit_by_deadline(settings: Settings) -> None:
     def arm(**_: object) -> None:
         if not armed.is_set():  # a second signal keeps the first deadline
             armed.set()
-            timer = threading.Timer(seconds, give_up)
-            timer.daemon = True
-            timer.start()
+            seconds = stop_deadline(settings, warming_up=False)
+            _daemon_timer(seconds, give_up, time.monotonic(), seconds)
 
     worker_shutting_down.connect(arm, weak=False, dispatch_uid="sift-stop-deadline")
+
+
+def _daemon_timer(seconds: float, call: Callable[[float, float], None], *args: float) -> None:
+    """Call ``call(*args)`` ``seconds`` from now on a daemon thread (one that does not hold
+    the process's exit)."""
+    timer = threading.Timer(seconds, call, args=args)
+    timer.daemon = True
+    timer.start()
 
 
 METRICS_DIR_PREFIX = "sift-metrics-"

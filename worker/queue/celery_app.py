@@ -133,6 +133,13 @@ def _ask_refused_deletes(sender: Any = None, **_: Any) -> None:
     ask_refused_at_start(app, settings.redis_url, settings.result_retention_seconds)
 
 
+def warming_up() -> bool:
+    """This process's warm-up is still running: a stop waits for it (:func:`_warm_up_ends`),
+    and the process's stop deadline counts that wait
+    (:func:`worker.processes.workers.exit_by_deadline`)."""
+    return _warming is not None and _warming.is_alive()
+
+
 def _warm_up_ends(**_: Any) -> None:
     """On worker stop, let a warm-up still running end first (up to WARM_UP_STOP_WAIT_SECONDS,
     or until Ctrl-C again): dropped at exit half-way through the int8 graph, its seconds were
