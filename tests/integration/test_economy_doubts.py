@@ -532,6 +532,23 @@ def _mapping(context: WorkerContext, batch: BatchJob, provider_id: str) -> _Task
     return task
 
 
+def _on_its_last_attempt(
+    context: WorkerContext, model: FakeAnthropic
+) -> tuple[BatchJob, dict[str, Any]]:
+    """A batch of two whose q0 errored in its first two provider batches (ended at once), so
+    that the third, still in progress (its provider batch returned), holds q0's last attempt."""
+    model.script_batch({"i0": [errored("overloaded_error"), errored("overloaded_error")]})
+    batch, qids = _prepared(context, 2)
+    _submission(context, batch, qids, "1")
+    [first] = model.batches()  # ended at once
+    _mapping(context, batch, first["id"])
+    [_, second] = model.batches()
+    model.configure(batch_processing_seconds=300.0)  # the third stays in progress
+    _mapping(context, batch, second["id"])
+    [_, _, third] = model.batches()
+    return batch, third
+
+
 @pytest.mark.parametrize("cancel", ["before_its_mapping", "after_its_resubmission"])
 def test_a_canceled_batch_s_item_whose_request_errored_is_canceled_whenever_the_cancel_came(
     context: WorkerContext, model: FakeAnthropic, workers: None, cancel: str
@@ -580,16 +597,8 @@ def test_a_cancel_sift_sent_is_the_users_though_the_gateway_s_clock_is_ahead(
     were compared alone: the line was taken for a cancel made outside Sift, an ``http_5xx``
     attempt, the last, and q0 ended ``failed`` ``rerank_failed`` in a batch the user
     canceled."""
-    model.script_batch({"i0": [errored("overloaded_error"), errored("overloaded_error")]})
-    batch, qids = _prepared(context, 2)
-    _submission(context, batch, qids, "1")
+    batch, third = _on_its_last_attempt(context, model)
     store = context.store
-    [first] = model.batches()  # ended at once
-    _mapping(context, batch, first["id"])
-    [_, second] = model.batches()
-    model.configure(batch_processing_seconds=300.0)  # the third stays in progress
-    _mapping(context, batch, second["id"])
-    [_, _, third] = model.batches()
     assert store.cancel_batch(batch.id) == (0, False)
     ahead = (store.get_batch(batch.id).canceled_at or 0.0) + 60.0  # type: ignore[union-attr]
     store.redis.hset(BATCH_KEY + batch.id, "canceled_at", repr(ahead))
@@ -629,16 +638,8 @@ def test_a_user_s_cancel_at_a_provider_minutes_off_is_the_user_s(
     from worker.queue.economy import poll
 
     model.configure(clock_offset_seconds=offset)
-    model.script_batch({"i0": [errored("overloaded_error"), errored("overloaded_error")]})
-    batch, qids = _prepared(context, 2)
-    _submission(context, batch, qids, "1")
+    batch, third = _on_its_last_attempt(context, model)
     store = context.store
-    [first] = model.batches()  # ended at once
-    _mapping(context, batch, first["id"])
-    [_, second] = model.batches()
-    model.configure(batch_processing_seconds=300.0)  # the third stays in progress
-    _mapping(context, batch, second["id"])
-    [_, _, third] = model.batches()
     assert store.cancel_batch(batch.id) == (0, False)
     assert cancel_quietly(store, batch.id, context.batches, third["id"])  # ended at once
     assert not cancel.cancel_sent(store, batch.id, third["id"])
@@ -660,16 +661,8 @@ def test_a_cancel_outside_sift_at_a_provider_ahead_is_not_the_user_s(
     from worker.queue.economy import poll
 
     model.configure(clock_offset_seconds=300.0)
-    model.script_batch({"i0": [errored("overloaded_error"), errored("overloaded_error")]})
-    batch, qids = _prepared(context, 2)
-    _submission(context, batch, qids, "1")
+    batch, third = _on_its_last_attempt(context, model)
     store = context.store
-    [first] = model.batches()  # ended at once
-    _mapping(context, batch, first["id"])
-    [_, second] = model.batches()
-    model.configure(batch_processing_seconds=300.0)  # the third stays in progress
-    _mapping(context, batch, second["id"])
-    [_, _, third] = model.batches()
     model.cancel_batch(third["id"])  # from the Console: ended at once
     assert store.cancel_batch(batch.id) == (0, False)
     later = (store.get_batch(batch.id).canceled_at or 0.0) + 5.0  # type: ignore[union-attr]
