@@ -307,6 +307,27 @@ def test_the_task_judges_a_candidate_kept_aside_once_it_ended_by_its_results(
     assert store.provider_candidates(batch_id) == {} and store.provider_deletions(batch_id) == []
 
 
+def _erase_message(store: JobStore) -> Callable[[str], tuple[str, str]]:
+    """The erase's own task message for a batch: the real task's, as the erase writes it."""
+    sender = OutboxSender(store)
+    return lambda batch_id: sender.messages([(ECONOMY_DELETE_TASK, [batch_id], SEARCH_QUEUE)])[0]
+
+
+def _worker_env(redis_url: str, model: FakeAnthropic | None, **more: str) -> dict[str, str]:
+    """A real worker's settings: the fake's model and key when ``model`` is given (else none:
+    no ``SIFT_GENERATION_MODEL``), a quick soft shutdown, no re-drive, and ``more``."""
+    env = {
+        "SIFT_REDIS_URL": redis_url,
+        "SIFT_WORKER_METRICS_PORT": "0",
+        "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1",
+        "SIFT_REDRIVE_INTERVAL_SECONDS": "0",
+    }
+    if model is not None:
+        env |= {"SIFT_GENERATION_MODEL": f"anthropic:{MODEL}", "ANTHROPIC_BASE_URL": model.url,
+                "ANTHROPIC_API_KEY": "sk-ant-test"}  # fmt: skip
+    return env | more
+
+
 def _until(what: Callable[[], bool], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout  # a hang guard, not a speed check
     while not what():
@@ -328,16 +349,8 @@ def test_a_delete_refused_for_its_key_is_asked_again_once_when_a_worker_starts(
     provider_id = _made(client)
     model.script_batch_calls("delete", [status(403)])
     record = {"round": 1, "requests": 1, "created_at": 1.0, "ended_at": 2.0}
-    sender = OutboxSender(store)
-
-    def message_of(batch_id: str) -> tuple[str, str]:  # the erase's own: the real task's
-        return sender.messages([(ECONOMY_DELETE_TASK, [batch_id], SEARCH_QUEUE)])[0]
-
-    batch_id = _erased_batch(store, {provider_id: record}, message_of)
-    env = {"SIFT_REDIS_URL": redis_url, "SIFT_GENERATION_MODEL": f"anthropic:{MODEL}",
-           "ANTHROPIC_BASE_URL": model.url, "ANTHROPIC_API_KEY": "sk-ant-test",
-           "SIFT_WORKER_METRICS_PORT": "0", "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1",
-           "SIFT_REDRIVE_INTERVAL_SECONDS": "0"}  # fmt: skip
+    batch_id = _erased_batch(store, {provider_id: record}, _erase_message(store))
+    env = _worker_env(redis_url, model)
     log = tmp_path / "refused.log"
     with celery_worker(tmp_path, env, "refused", concurrency=2):
         _until(lambda: f"provider batch {provider_id} not deleted" in log.read_text())
@@ -386,21 +399,13 @@ def test_an_erase_a_worker_without_the_model_takes_is_deleted_by_one_with_it(
     nothing read ``sift:eco-delete:<batch>`` again, and the provider kept the batch."""
     provider_id = _made(client)
     record = {"round": 1, "requests": 1, "created_at": 1.0, "ended_at": 2.0}
-    sender = OutboxSender(store)
-
-    def message_of(batch_id: str) -> tuple[str, str]:  # the erase's own: the real task's
-        return sender.messages([(ECONOMY_DELETE_TASK, [batch_id], SEARCH_QUEUE)])[0]
-
-    batch_id = _erased_batch(store, {provider_id: record}, message_of)
-    env = {"SIFT_REDIS_URL": redis_url, "SIFT_WORKER_METRICS_PORT": "0",
-           "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1", "SIFT_REDRIVE_INTERVAL_SECONDS": "0",
-           "SIFT_ECONOMY_POLL_SECONDS": "1"}  # fmt: skip
+    batch_id = _erased_batch(store, {provider_id: record}, _erase_message(store))
+    env = _worker_env(redis_url, None, SIFT_ECONOMY_POLL_SECONDS="1")
     with celery_worker(tmp_path, env, "nomodel", concurrency=2):
         _until(lambda: "not deleted" in (tmp_path / "nomodel.log").read_text())
     assert _held(model) == {provider_id}
     assert store.provider_deletions(batch_id) == [provider_id]
-    model_env = {**env, "SIFT_GENERATION_MODEL": f"anthropic:{MODEL}",
-                 "ANTHROPIC_BASE_URL": model.url, "ANTHROPIC_API_KEY": "sk-ant-test"}  # fmt: skip
+    model_env = _worker_env(redis_url, model, SIFT_ECONOMY_POLL_SECONDS="1")
     with celery_worker(tmp_path, model_env, "model", concurrency=2):
         _until(lambda: _held(model) == set())
         _until(lambda: not store.provider_deletions(batch_id))
@@ -561,16 +566,10 @@ def test_worker_starts_keep_one_delete_chain_per_erased_batch(
     model.script_batch_calls("delete", [status(403)] * 200)  # this key may not delete
     record = {"round": 1, "requests": 1, "created_at": 1.0, "ended_at": 2.0}
     candidate = {**record, "ended_at": None, "submission": "s2", "doubt": True}
-    sender = OutboxSender(store)
-    _erased_batch(
-        store, {made: record, running: candidate},
-        lambda b: sender.messages([(ECONOMY_DELETE_TASK, [b], SEARCH_QUEUE)])[0],
-    )  # fmt: skip
-    env = {"SIFT_REDIS_URL": redis_url, "SIFT_GENERATION_MODEL": f"anthropic:{MODEL}",
-           "ANTHROPIC_BASE_URL": model.url, "ANTHROPIC_API_KEY": "sk-ant-test",
-           "SIFT_WORKER_METRICS_PORT": "0", "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1",
-           "SIFT_REDRIVE_INTERVAL_SECONDS": "0", "SIFT_ECONOMY_POLL_SECONDS": "0.5",
-           "SIFT_ECONOMY_POLL_MAX_SECONDS": "1"}  # fmt: skip
+    _erased_batch(store, {made: record, running: candidate}, _erase_message(store))
+    env = _worker_env(
+        redis_url, model, SIFT_ECONOMY_POLL_SECONDS="0.5", SIFT_ECONOMY_POLL_MAX_SECONDS="1"
+    )
     with celery_worker(tmp_path, env, "start0", concurrency=4):
         _until(lambda: len(_retrying(tmp_path / "start0.log")) == 1)
     chains = _retrying(tmp_path / "start0.log")

@@ -523,6 +523,19 @@ def test_sift_tenant_purge_has_redis_rewrite_its_aof(tmp_path: Path) -> None:
             store.close()
 
 
+def _paid_with_the_re_drive_off(tmp_path: Path, url: str, store: JobStore) -> int:
+    """Run a real worker with the re-drive off until the rewrite owed is paid; answers how
+    many AOF rewrites Redis has made."""
+    env = {"SIFT_REDIS_URL": url + "/0", "SIFT_WORKER_METRICS_PORT": "0",
+           "SIFT_REDRIVE_INTERVAL_SECONDS": "0"}  # fmt: skip
+    with celery_worker(tmp_path, env, "worker", concurrency=2):
+        deadline = time.monotonic() + 60  # a hang guard, not a speed check
+        while store.redis.exists(REWRITE_OWED_KEY):
+            assert time.monotonic() < deadline, (tmp_path / "worker.log").read_text()
+            time.sleep(0.1)
+        return int(_settled(store.redis)["aof_rewrites"])
+
+
 def test_with_the_re_drive_off_a_worker_pays_the_rewrite_the_latch_held_back(
     tmp_path: Path,
 ) -> None:
@@ -547,14 +560,7 @@ def test_with_the_re_drive_off_a_worker_pays_the_rewrite_the_latch_held_back(
             assert store.redis.exists(REWRITE_OWED_KEY)  # held back by the latch
             store.redis.expire(REWRITE_LATCH_KEY, 2)  # the interval all but passed
             assert _on_disk(tmp_path / "redis", queries[1])
-            env = {"SIFT_REDIS_URL": url + "/0", "SIFT_WORKER_METRICS_PORT": "0",
-                   "SIFT_REDRIVE_INTERVAL_SECONDS": "0"}  # fmt: skip
-            with celery_worker(tmp_path, env, "worker", concurrency=2):
-                deadline = time.monotonic() + 60  # a hang guard, not a speed check
-                while store.redis.exists(REWRITE_OWED_KEY):
-                    assert time.monotonic() < deadline, (tmp_path / "worker.log").read_text()
-                    time.sleep(0.1)
-                assert _settled(store.redis)["aof_rewrites"] == 2
+            assert _paid_with_the_re_drive_off(tmp_path, url, store) == 2
             assert not _on_disk(tmp_path / "redis", queries[1])
             assert not store.redis.exists(REWRITE_PAYMENT_KEY)
         finally:
@@ -587,14 +593,7 @@ def test_with_the_re_drive_off_a_worker_pays_the_rewrite_a_purge_owes(tmp_path: 
             assert store.redis.exists(REWRITE_OWED_KEY)  # held back by the latch
             store.redis.expire(REWRITE_LATCH_KEY, 2)  # the interval all but passed: the
             # task, due at once (the latch had no expiry), is taken early and asks again
-            worker_env = {"SIFT_REDIS_URL": url + "/0", "SIFT_WORKER_METRICS_PORT": "0",
-                          "SIFT_REDRIVE_INTERVAL_SECONDS": "0"}  # fmt: skip
-            with celery_worker(tmp_path, worker_env, "worker", concurrency=2):
-                deadline = time.monotonic() + 60  # a hang guard, not a speed check
-                while store.redis.exists(REWRITE_OWED_KEY):
-                    assert time.monotonic() < deadline, (tmp_path / "worker.log").read_text()
-                    time.sleep(0.1)
-                assert _settled(store.redis)["aof_rewrites"] == 1
+            assert _paid_with_the_re_drive_off(tmp_path, url, store) == 1
             assert not _on_disk(tmp_path / "redis", query)
         finally:
             store.close()
