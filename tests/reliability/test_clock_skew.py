@@ -69,12 +69,17 @@ if not FAKETIME.exists():  # pragma: no cover
 
 def skewed(env: dict[str, str], skew: str) -> dict[str, str]:
     """``env`` for a process whose wall clock reads ``skew`` off (libfaketime's ``+6m``,
-    ``-3m``...), its monotonic clock true."""
+    ``-3m``...), its monotonic clock true. libfaketime reads its settings from the
+    environment once (``FAKETIME_CACHE_DURATION``; by default again every 10 s, from whichever
+    thread reads the time): about one skewed worker start in 12 died of SIGSEGV in libc's
+    ``getenv`` (the kernel's log) right after its clock warning, "exited early" without a
+    word, most likely that re-read racing a ``setenv`` in another thread."""
     return {
         **env,
         "LD_PRELOAD": str(FAKETIME),
         "FAKETIME": skew,
         "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+        "FAKETIME_CACHE_DURATION": str(10**9),
     }
 
 
