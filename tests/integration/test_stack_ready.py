@@ -12,6 +12,8 @@ run). Real processes on one port, as two test files raced them.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -49,7 +51,7 @@ def test_a_gateway_whose_port_another_gateway_holds_is_not_ready(
 ) -> None:
     env, taken = other_gateway
     with (
-        pytest.raises(RuntimeError, match="gateway exited early") as raised,
+        pytest.raises(RuntimeError, match=r"gateway exited early \(exit status 3\)") as raised,
         gateway(tmp_path / "g", env, port=taken),
     ):
         pass
@@ -69,7 +71,9 @@ def test_a_gateway_that_lost_its_picked_port_starts_on_another(
 def test_a_redis_whose_port_another_redis_holds_is_not_ready(tmp_path: Path) -> None:
     with redis_server(tmp_path / "other") as other:
         with (
-            pytest.raises(RuntimeError, match="redis-server exited early") as raised,
+            pytest.raises(
+                RuntimeError, match=r"redis-server exited early \(exit status 1\)"
+            ) as raised,
             redis_server(tmp_path / "redis", port=_port(other)),
         ):
             pass
@@ -84,3 +88,13 @@ def test_a_redis_that_lost_its_picked_port_starts_on_another(
         with redis_server(tmp_path / "redis") as url:
             assert _port(url) != _port(other)
         assert "Address already in use" in (tmp_path / "redis" / "redis.log").read_text()
+
+
+def test_a_process_killed_by_a_signal_is_said_killed_by_it(tmp_path: Path) -> None:
+    """A process that dies of a signal as it starts (a segfault in a library, say) is told
+    by the signal's name: its log alone may end with no word of it."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"]
+    )
+    with pytest.raises(RuntimeError, match=r"^crasher exited early \(killed by SIGSEGV\):"):
+        stack.wait_until(lambda: False, "crasher", proc, None)

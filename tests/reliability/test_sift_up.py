@@ -636,7 +636,7 @@ def test_an_early_exit_is_told_on_stderr_line_by_line(tmp_path: Path) -> None:
     assert failed.returncode == 1, failed.stdout + failed.stderr
     assert "error" not in failed.stdout, failed.stdout
     lines = failed.stderr.splitlines()
-    assert lines[0] == "error: redis-server exited early:", failed.stderr
+    assert lines[0] == "error: redis-server exited early (exit status 1):", failed.stderr
     assert any(line.endswith("Invalid AOF manifest file format") for line in lines), lines
     assert "\\n" not in failed.stderr, failed.stderr
 

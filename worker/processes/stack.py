@@ -156,12 +156,28 @@ def wait_until(
         if cancel is not None and cancel.is_set():
             raise StartInterrupted(what)
         if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited early:\n{_log_tail(log, offset)}")
+            raise RuntimeError(
+                f"{what} exited early ({_exit_status(proc.returncode)}):\n{_log_tail(log, offset)}"
+            )
         with contextlib.suppress(Exception):
             if check():
                 return
         time.sleep(0.05)
     raise RuntimeError(f"{what} did not become ready:\n{_log_tail(log, offset)}")
+
+
+def _exit_status(code: int) -> str:
+    """How a process ended: its exit status, or the signal that killed it (a crash in a
+    library leaves no word in its log).
+
+    >>> _exit_status(1), _exit_status(-11)
+    ('exit status 1', 'killed by SIGSEGV')
+    """
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+        return f"killed by signal {-code}"
+    return f"exit status {code}"
 
 
 def _log_tail(log: Path | None, offset: int) -> str:
