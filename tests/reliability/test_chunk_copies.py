@@ -28,8 +28,8 @@ from tests.reliability.support import ACME, INDEX, batch_counts, wait_for
 from tests.reliability.test_ingest_crashes import (
     KEPT,
     Crash,
-    crash_stack,
     final,
+    own_crash_stack,
     upsert,
     worker,
 )
@@ -71,7 +71,10 @@ def _a_chunk_held_on(crash: Crash, log: Path) -> tuple[str, str]:
 def test_a_running_chunk_s_copy_put_back_by_a_reconnect_counts_and_fails_nothing(
     tmp_path: Path,
 ) -> None:
-    with crash_stack(tmp_path) as crash, redis.Redis.from_url(crash.env["SIFT_REDIS_URL"]) as raw:
+    with (
+        own_crash_stack(tmp_path) as crash,
+        redis.Redis.from_url(crash.env["SIFT_REDIS_URL"]) as raw,
+    ):
         crash.env["SIFT_BATCH_ITEM_CONCURRENCY"] = "1"  # A's other items wait for the held one
         crash.env["SIFT_TASK_MAX_DELIVERIES"] = "1"  # a copy counted is poison
         logs = [crash.directory / "w" / f"{name}.log" for name in ("a", "b")]
@@ -124,7 +127,10 @@ def test_a_chunk_handed_back_after_its_copy_was_refused_goes_back_on_its_queue(
     ``unacked`` to put back and put nothing: the three items were left ``queued`` with no
     message, until the re-drive found them lost (once the batch had been idle 120 s at the
     defaults, or in a reconnect's urgent window)."""
-    with crash_stack(tmp_path) as crash, redis.Redis.from_url(crash.env["SIFT_REDIS_URL"]) as raw:
+    with (
+        own_crash_stack(tmp_path) as crash,
+        redis.Redis.from_url(crash.env["SIFT_REDIS_URL"]) as raw,
+    ):
         crash.env["SIFT_BATCH_ITEM_CONCURRENCY"] = "1"  # A's other items wait for the held one
         logs = [crash.directory / "w" / f"{name}.log" for name in ("a", "b")]
 

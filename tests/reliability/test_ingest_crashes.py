@@ -73,12 +73,9 @@ class Shared(NamedTuple):
     model_url: str
 
 
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shared]:
-    """redis-server (AOF everysec) and the gateway at the defaults, for every test of the
-    module (:func:`crash_stack` empties them between tests); the workers are each test's own
-    (a gateway of its own took 1 to 4 s of each test)."""
-    tmp = tmp_path_factory.mktemp("crashes")
+@contextmanager
+def shared_stack(tmp: Path) -> Iterator[Shared]:
+    """redis-server (AOF everysec) and the gateway at the defaults, in ``tmp``."""
     with (
         FakeAnthropic() as model,
         redis_server(tmp / "redis", appendonly=True) as base_url,
@@ -89,6 +86,22 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shared]:
             httpx.Client(base_url=base, timeout=30) as client,
         ):
             yield Shared(client, base_url + "/0", model.url)
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shared]:
+    """The stack for every test of the module (:func:`crash_stack` empties it between
+    tests); the workers are each test's own (a gateway of its own took 1 to 4 s of each
+    test)."""
+    with shared_stack(tmp_path_factory.mktemp("crashes")) as stack:
+        yield stack
+
+
+@contextmanager
+def own_crash_stack(tmp_path: Path) -> Iterator[Crash]:
+    """:func:`crash_stack` on a stack of the test's own (other modules' tests)."""
+    with shared_stack(tmp_path) as stack, crash_stack(stack, tmp_path) as crash:
+        yield crash
 
 
 @contextmanager

@@ -25,7 +25,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.reliability.support import ACME, submit_search, wait_for
-from tests.reliability.test_ingest_crashes import KEPT, crash_stack, final, upsert, worker
+from tests.reliability.test_ingest_crashes import KEPT, final, own_crash_stack, upsert, worker
 from tests.services import free_port
 from worker.constants import ATTEMPTS_KEY, KOMBU_UNACKED_KEY, SEARCH_QUEUE
 
@@ -54,7 +54,10 @@ def searches_completed(port: int) -> dict[str, float]:
 def test_a_running_search_s_copy_put_back_by_a_reconnect_counts_no_delivery(
     tmp_path: Path,
 ) -> None:
-    with crash_stack(tmp_path) as crash, redis.Redis.from_url(crash.env["SIFT_REDIS_URL"]) as raw:
+    with (
+        own_crash_stack(tmp_path) as crash,
+        redis.Redis.from_url(crash.env["SIFT_REDIS_URL"]) as raw,
+    ):
         port = free_port()
         with worker(crash, "a", port) as proc:
             assert final(crash.client, upsert(crash.client, KEPT))["status"] == "succeeded"
