@@ -305,14 +305,10 @@ class BatchRecords(_StoreCore):
 
     def get_batch(self, batch_id: str) -> BatchJob | None:
         # one snapshot, as a search's GET reads it (SearchRecords.get_search)
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hgetall(BATCH_KEY + batch_id)
-        pipe.hgetall(BATCH_COUNTS_KEY + batch_id)
-        pipe.zscore(WEBHOOKS_OWED_KEY, batch_id)
-        raw, counts, owed = cast(
-            tuple[dict[str, str], dict[str, str], float | None], pipe.execute()
+        [raw, counts], [owed] = self._snapshot(
+            [BATCH_KEY + batch_id, BATCH_COUNTS_KEY + batch_id], [batch_id]
         )
-        return _batch_of(batch_id, raw, counts, owed=owed is not None)
+        return _batch_of(batch_id, raw, counts, owed=owed)
 
     def batch_query_ids(self, batch_id: str, start: int, stop: int) -> list[str]:
         """Query ids ``start`` (inclusive) to ``stop`` (exclusive), in submission order."""

@@ -21,7 +21,6 @@ from worker.constants import (
     INGEST_KEY,
     MAX_LIST_SCAN,
     SEARCH_KEY,
-    WEBHOOKS_OWED_KEY,
 )
 from worker.contract import JobStatus
 from worker.queue.jobstore.batches import _batch_of
@@ -158,16 +157,10 @@ class JobListing(_StoreCore):
 
     def _batches(self, ids: Sequence[str]) -> list[BatchJob | None]:
         # one snapshot: an entry shows its webhook, as a batch's GET does (get_batch)
-        pipe = self.redis.pipeline(transaction=True)
-        for batch_id in ids:
-            pipe.hgetall(BATCH_KEY + batch_id)
-            pipe.hgetall(BATCH_COUNTS_KEY + batch_id)
-            pipe.zscore(WEBHOOKS_OWED_KEY, batch_id)
-        replies = pipe.execute()
+        hashes = [key + batch_id for batch_id in ids for key in (BATCH_KEY, BATCH_COUNTS_KEY)]
+        read, owed = self._snapshot(hashes, ids)
         return [
-            _batch_of(
-                batch_id, replies[3 * i], replies[3 * i + 1], owed=replies[3 * i + 2] is not None
-            )
+            _batch_of(batch_id, read[2 * i], read[2 * i + 1], owed=owed[i])
             for i, batch_id in enumerate(ids)
         ]
 

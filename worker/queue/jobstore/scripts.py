@@ -939,3 +939,20 @@ if paid and (tonumber(redis.call('GET', KEYS[2])) or 0) < tonumber(ARGV[3]) then
 end
 return count
 """
+
+
+# KEYS: webhooks owed, then hashes. ARGV: job ids. Returns each hash's fields and values (a
+# flat list, empty if none), then each job's score in the webhooks owed (false if none): one
+# snapshot, so a read between the settle script's two writes (the record's how it ended, the
+# entry dropped) cannot find neither. A script that only reads still runs at Redis's
+# maxmemory, where every command queued in a MULTI is refused (OOM), reads included.
+_READ_JOBS = """
+local out = {}
+for i = 2, #KEYS do
+  out[#out + 1] = redis.call('HGETALL', KEYS[i])
+end
+for i = 1, #ARGV do
+  out[#out + 1] = redis.call('ZSCORE', KEYS[1], ARGV[i])
+end
+return out
+"""

@@ -5,7 +5,7 @@ and moved queued -> running -> final.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 from worker.constants import (
     ACTIVE_JOBS_KEY,
@@ -13,7 +13,6 @@ from worker.constants import (
     SEARCH_ID_PREFIX,
     SEARCH_KEY,
     STATS_KEY,
-    WEBHOOKS_OWED_KEY,
 )
 from worker.contract import ErrorInfo, JobStatus, SearchResult, SearchSpec
 from worker.queue.jobstore.idempotency import (
@@ -124,11 +123,8 @@ class SearchRecords(_StoreCore):
     def get_search(self, job_id: str) -> SearchJob | None:
         # one snapshot: the script that settles a webhook writes the record and drops the
         # entry together, so a read between the two would find neither
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hgetall(SEARCH_KEY + job_id)
-        pipe.zscore(WEBHOOKS_OWED_KEY, job_id)
-        raw, owed = cast(tuple[dict[str, str], float | None], pipe.execute())
-        return _search_of(job_id, raw, owed=owed is not None)
+        [raw], [owed] = self._snapshot([SEARCH_KEY + job_id], [job_id])
+        return _search_of(job_id, raw, owed=owed)
 
     def get_search_status(self, job_id: str) -> JobStatus | None:
         return self._status(SEARCH_KEY + job_id)

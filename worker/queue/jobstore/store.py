@@ -71,6 +71,7 @@ from worker.queue.jobstore.scripts import (
     _KEEP_ANSWER,
     _KEEP_PROVIDER_DELETIONS,
     _NOTE_OUTAGE,
+    _READ_JOBS,
     _RELEASE_IDEMPOTENCY,
     _RELEASE_RUN,
     _SAVE_PREPARED,
@@ -195,6 +196,7 @@ class _StoreCore:
         self._take_refused = client.register_script(_TAKE_REFUSED)
         self._claim_delete_chain = client.register_script(_CLAIM_DELETE_CHAIN)
         self._end_delete_chain = client.register_script(_END_DELETE_CHAIN)
+        self._read_jobs = client.register_script(_READ_JOBS)
         # status transitions that threads ask for while one round trip is out go together
         # in the next (a worker's hundreds of threads each make two per search)
         self._transitions: Coalescer[list[_ScriptCall], list[Any]] = Coalescer(
@@ -239,6 +241,17 @@ class _StoreCore:
 
     def ping(self) -> bool:
         return bool(self.redis.ping())
+
+    def _snapshot(
+        self, hashes: Sequence[str], job_ids: Sequence[str]
+    ) -> tuple[list[dict[str, str]], list[bool]]:
+        """``hashes`` read whole and whether each of ``job_ids``' webhooks is owed, in one
+        snapshot (_READ_JOBS: a MULTI would be refused at Redis's maxmemory)."""
+        reply = cast(list[Any], self._read_jobs(keys=[WEBHOOKS_OWED_KEY, *hashes], args=job_ids))
+        flats, scores = reply[: len(hashes)], reply[len(hashes) :]
+        return [dict(zip(f[::2], f[1::2], strict=True)) for f in flats], [
+            score is not None for score in scores
+        ]
 
     def _status(self, key: str) -> JobStatus | None:
         value = cast(str | None, self.redis.hget(key, "status"))
