@@ -505,22 +505,27 @@ def test_sift_tenant_purge_has_redis_rewrite_its_aof(tmp_path: Path) -> None:
         try:
             _finished_search(store, query)
             assert _on_disk(tmp_path / "redis", query)
-            backend = EmbeddedBackend(tmp_path / "data")
-            backend.indexes("acme")
-            backend.close()
-            env = {"SIFT_REDIS_URL": url + "/0", "SIFT_DATA_DIR": str(tmp_path / "data"),
-                   "COLUMNS": "200", "NO_COLOR": "1"}  # fmt: skip
-            purge = subprocess.run(
-                [sys.executable, "-m", "worker.cli", "tenant", "purge", "acme", "--yes"],
-                env=child_env(env, inherit_sift=False), capture_output=True, text=True,
-                timeout=120,
-            )  # fmt: skip
+            purge = _purge_acme(url, tmp_path)
             assert purge.returncode == 0, purge.stdout + purge.stderr
             assert "Redis was asked to rewrite its files" in purge.stdout, purge.stdout
             assert _settled(store.redis)["aof_rewrites"] == 1
             assert not _on_disk(tmp_path / "redis", query)
         finally:
             store.close()
+
+
+def _purge_acme(url: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """The real ``sift tenant purge acme --yes`` on the Redis at ``url`` and an embedded
+    data folder in ``tmp_path`` that holds the tenant's (empty) index list."""
+    backend = EmbeddedBackend(tmp_path / "data")
+    backend.indexes("acme")
+    backend.close()
+    env = {"SIFT_REDIS_URL": url + "/0", "SIFT_DATA_DIR": str(tmp_path / "data"),
+           "COLUMNS": "200", "NO_COLOR": "1"}  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "worker.cli", "tenant", "purge", "acme", "--yes"],
+        env=child_env(env, inherit_sift=False), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
 
 
 def _paid_with_the_re_drive_off(tmp_path: Path, url: str, store: JobStore) -> int:
@@ -578,17 +583,8 @@ def test_with_the_re_drive_off_a_worker_pays_the_rewrite_a_purge_owes(tmp_path: 
         store = JobStore.from_url(url + "/0")
         try:
             _finished_search(store, query)
-            backend = EmbeddedBackend(tmp_path / "data")
-            backend.indexes("acme")
-            backend.close()
             store.redis.set(REWRITE_LATCH_KEY, "1")  # a rewrite asked just now, held
-            env = {"SIFT_REDIS_URL": url + "/0", "SIFT_DATA_DIR": str(tmp_path / "data"),
-                   "COLUMNS": "200", "NO_COLOR": "1"}  # fmt: skip
-            purge = subprocess.run(
-                [sys.executable, "-m", "worker.cli", "tenant", "purge", "acme", "--yes"],
-                env=child_env(env, inherit_sift=False), capture_output=True, text=True,
-                timeout=120,
-            )  # fmt: skip
+            purge = _purge_acme(url, tmp_path)
             assert purge.returncode == 0, purge.stdout + purge.stderr
             assert store.redis.exists(REWRITE_OWED_KEY)  # held back by the latch
             store.redis.expire(REWRITE_LATCH_KEY, 2)  # the interval all but passed: the
