@@ -48,7 +48,7 @@ names from here: ``from worker.adapters.rate_budget import RedisRateBudget``.
 
 from __future__ import annotations
 
-from worker.adapters.rate_budget._batches import BatchQueue, BatchQueueFull, MeteredBatches
+from worker.adapters.rate_budget._batches import BatchQueue, BatchQueueFull
 from worker.adapters.rate_budget._budget import BACKLOG_REFRESH_SECONDS as BACKLOG_REFRESH_SECONDS
 from worker.adapters.rate_budget._budget import BUDGET_SCRIPT, RedisRateBudget, TokenEstimator
 from worker.adapters.rate_budget._budget import BURST_FRACTION as BURST_FRACTION
@@ -60,6 +60,7 @@ from worker.adapters.rate_budget._budget import PENDING_SECONDS as PENDING_SECON
 from worker.adapters.rate_budget._budget import PENDING_STALE_SECONDS as PENDING_STALE_SECONDS
 from worker.adapters.rate_budget._budget import PROBE_POLL_SECONDS as PROBE_POLL_SECONDS
 from worker.adapters.rate_budget._headers import limits_from_headers, remaining_from_headers
+from worker.adapters.rate_budget._metered import MeteredBatches
 
 __all__ = [
     "BUDGET_SCRIPT",
