@@ -48,6 +48,8 @@ names from here: ``from worker.adapters.rate_budget import RedisRateBudget``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from worker.adapters.rate_budget._batches import BatchQueue, BatchQueueFull
 from worker.adapters.rate_budget._budget import BACKLOG_REFRESH_SECONDS as BACKLOG_REFRESH_SECONDS
 from worker.adapters.rate_budget._budget import BUDGET_SCRIPT, RedisRateBudget, TokenEstimator
@@ -60,7 +62,9 @@ from worker.adapters.rate_budget._budget import PENDING_SECONDS as PENDING_SECON
 from worker.adapters.rate_budget._budget import PENDING_STALE_SECONDS as PENDING_STALE_SECONDS
 from worker.adapters.rate_budget._budget import PROBE_POLL_SECONDS as PROBE_POLL_SECONDS
 from worker.adapters.rate_budget._headers import limits_from_headers, remaining_from_headers
-from worker.adapters.rate_budget._metered import MeteredBatches
+
+if TYPE_CHECKING:
+    from worker.adapters.rate_budget._metered import MeteredBatches
 
 __all__ = [
     "BUDGET_SCRIPT",
@@ -72,3 +76,14 @@ __all__ = [
     "limits_from_headers",
     "remaining_from_headers",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """:class:`MeteredBatches` is imported on first use: it subclasses the SDK's Message
+    Batches adapter, and ``import anthropic`` costs about a second of CPU, half a worker's
+    start, that a worker without ``SIFT_GENERATION_MODEL`` never needs."""
+    if name == "MeteredBatches":
+        from worker.adapters.rate_budget._metered import MeteredBatches
+
+        return MeteredBatches
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
