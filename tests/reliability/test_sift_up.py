@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,6 +191,20 @@ def _snapshot(logs: Path) -> dict[str, bytes]:
     return {log.name: log.read_bytes() for log in sorted(logs.glob("*.log"))}
 
 
+def _settled(logs: Path) -> dict[str, bytes]:
+    """The logs once no line has been added for a second: an earlier test's last task may
+    still be logging its end (the worker answers before it logs "succeeded")."""
+    seen = [_snapshot(logs)]
+
+    def still() -> bool:
+        time.sleep(1.0)
+        seen.append(_snapshot(logs))
+        return seen[-1] == seen[-2]
+
+    wait_for(still, "the first stack's logs to settle", 60)
+    return seen[-1]
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("clash", ["data-dir", "port", "metrics-port"])
 def test_a_second_sift_up_refuses_what_another_stack_uses(
@@ -204,7 +219,7 @@ def test_a_second_sift_up_refuses_what_another_stack_uses(
         "port": f"the gateway port {stack.port}",
         "metrics-port": f"the worker metrics port {stack.metrics_port}",
     }[clash]
-    before = _snapshot(stack.logs)
+    before = _settled(stack.logs)
     assert set(before) == {"redis.log", "worker.log", "gateway.log"}
     second = _up(tmp_path, "--port", str(port), "--metrics-port", str(metrics_port),
                  "--data-dir", str(data_dir))  # fmt: skip
