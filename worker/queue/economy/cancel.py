@@ -19,8 +19,8 @@ from worker.constants import (
 from worker.errors import RerankAttemptError
 from worker.queue.base import SiftTask
 from worker.queue.economy.finish import cancel_item
-from worker.queue.economy.records import DOUBT, batches_client
-from worker.queue.economy.watch import poll_countdown, send_anew
+from worker.queue.economy.records import DOUBT
+from worker.queue.economy.watch import batches_client, send_anew
 
 if TYPE_CHECKING:
     from worker.adapters.anthropic_batches import AnthropicMessageBatches
@@ -120,12 +120,7 @@ def cancel_economy_batch(task: SiftTask, batch_id: str) -> None:
     store = task.context.store
     if not store.economy_fields(batch_id, ECONOMY_PROVIDERS_KEY):
         return
-    try:
-        client = batches_client(task)
-    except RerankAttemptError as exc:
-        log.error("batch %s: provider batches not canceled yet, asked again later: %s",
-                  batch_id, exc)  # fmt: skip
-        raise task.retry(countdown=poll_countdown(task), args=[batch_id]) from exc
+    client = batches_client(task, batch_id)
     for provider_id in open_provider_batches(store, batch_id):
         if cancel_quietly(store, batch_id, client, provider_id):
             send_anew(task, batch_id, provider_id, CANCELED_POLL_SECONDS)

@@ -48,8 +48,7 @@ from worker.errors import RerankAttemptError
 from worker.observability import metrics
 from worker.queue.base import SiftTask
 from worker.queue.economy.ids import submission_of
-from worker.queue.economy.records import batches_client
-from worker.queue.economy.watch import poll_countdown
+from worker.queue.economy.watch import batches_client, no_batches_client, poll_countdown
 
 if TYPE_CHECKING:
     from worker.adapters.anthropic_batches import AnthropicMessageBatches
@@ -155,13 +154,13 @@ def delete_erased(task: SiftTask, batch_id: str, refused_token: str = "") -> Non
         log.info("batch %s: its provider batches are left to the delete task already "
                  "asking them", batch_id)  # fmt: skip
         return
-    try:
-        client = batches_client(task)
-    except RerankAttemptError as exc:  # no model on this worker: one with it may take the retry
+    if (missing := no_batches_client(task)) is not None:  # one with a model may take the retry
+        waiting = store.provider_deletions(batch_id) + list(candidates)
         log.error("batch %s: provider batches %s not deleted yet, asked again later: %s",
-                  batch_id, store.provider_deletions(batch_id) + list(candidates), exc)  # fmt: skip
-        _go_on(task, batch_id, chain, waits=[0.0], cause=exc)
+                  batch_id, waiting, missing)  # fmt: skip
+        _go_on(task, batch_id, chain, waits=[0.0], cause=missing)
         return
+    client = batches_client(task, batch_id)  # not None: asked above, with the chain's retry
     waits = [
         wait
         for wait in (_judged(task, client, batch_id, *c) for c in candidates.items())

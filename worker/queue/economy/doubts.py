@@ -15,13 +15,12 @@ from worker.queue.base import SiftTask
 from worker.queue.economy.leases import expect
 from worker.queue.economy.records import (
     DOUBT,
-    batches_client,
     record_sent,
     running_items,
     save_provider_record,
     save_runs,
 )
-from worker.queue.economy.watch import send_poll
+from worker.queue.economy.watch import batches_client, send_poll
 from worker.queue.jobstore import BatchJob
 
 log = logging.getLogger(__name__)
@@ -35,7 +34,7 @@ DOUBT_WINDOW_SECONDS = 120.0
 
 
 def settle_doubts(
-    task: SiftTask, batch: BatchJob, query_ids: Sequence[str], expected: str | None
+    task: SiftTask, batch: BatchJob, query_ids: Sequence[str], expected: str | None, watch: str
 ) -> None:
     """Find the provider batches of creates whose answer never came (a timeout, a cut
     connection, a worker killed between the call and its record), before anything is sent
@@ -56,7 +55,8 @@ def settle_doubts(
     Otherwise every candidate is polled (never canceled: it may be another client's), its
     items wait as ``doubt:<submission>``, and the results tell: lines whose ``custom_id``
     carries the submission prove the candidate ours (:func:`map_results`); when every
-    candidate ended without one, the items are sent again."""
+    candidate ended without one, the items are sent again. ``watch`` is the task settling
+    them (:func:`~worker.queue.economy.submission.submit`'s)."""
     doubts: dict[str, list[tuple[str, dict[str, Any]]]] = {}
     for qid, _, run in running_items(task, batch, query_ids):
         pending = run.get("pending")
@@ -64,7 +64,7 @@ def settle_doubts(
             doubts.setdefault(pending["submission"], []).append((qid, run))
     if not doubts:
         return
-    client, store = batches_client(task), task.context.store
+    client, store = batches_client(task, batch.id, watch), task.context.store
     known = {
         provider_id: json.loads(raw)
         for provider_id, raw in store.economy_all(batch.id, ECONOMY_PROVIDERS_KEY).items()

@@ -18,13 +18,12 @@ from worker.queue.economy.finish import fail_items
 from worker.queue.economy.leases import expect, leased
 from worker.queue.economy.records import (
     DOUBT,
-    batches_client,
     items_waiting,
     provider_record,
     save_provider_record,
 )
 from worker.queue.economy.results import candidate_ended, map_results
-from worker.queue.economy.watch import message_taken, poll_countdown
+from worker.queue.economy.watch import batches_client, message_taken, poll_countdown
 from worker.queue.jobstore import BatchJob, JobStore
 
 log = logging.getLogger(__name__)
@@ -82,7 +81,7 @@ def _poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
         # provider batch Sift may not cancel (a candidate of a create in doubt, maybe
         # another client's) would be retrieved every 10 minutes for up to 24 hours.
         return
-    client = batches_client(self)
+    client = batches_client(self, batch_id, provider_id)
     record = provider_record(store, batch_id, provider_id)
     expect(self, batch_id, provider_id, 0.0)
     try:

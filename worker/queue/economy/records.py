@@ -1,12 +1,12 @@
 """What the economy lane keeps of a batch in Redis, and reads back: its prepared items, each
 item's run (what the provider did for it, across rounds), the provider batches it made; and
-the lane's pipeline and Message Batches client."""
+the lane's pipeline."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from worker.constants import (
     BATCH_ITEMS_KEY,
@@ -17,13 +17,9 @@ from worker.constants import (
 from worker.contract import JobStatus
 from worker.core.pipeline import Prepared, RerankRun, SearchPipeline, dump_prepared
 from worker.core.types import TokenUsage
-from worker.errors import AttemptOutcome, RerankAttemptError, SiftError
+from worker.errors import SiftError
 from worker.queue.base import SiftTask
 from worker.queue.jobstore import BatchJob, JobStore
-
-if TYPE_CHECKING:
-    from worker.adapters.anthropic_batches import AnthropicMessageBatches
-
 
 PAGE = 500  # items read from Redis, or results mapped, at a time
 DOUBT = "doubt:"  # a run's provider while its create is in doubt: "doubt:<submission>"
@@ -95,15 +91,6 @@ def economy_pipeline(task: SiftTask) -> SearchPipeline:
     if not isinstance(pipeline, SearchPipeline):
         raise SiftError("this worker's runtime has no economy pipeline")
     return pipeline
-
-
-def batches_client(task: SiftTask) -> AnthropicMessageBatches:
-    client = task.context.batches
-    if client is None:
-        raise RerankAttemptError(
-            AttemptOutcome.HTTP_4XX, "the economy lane needs SIFT_GENERATION_MODEL"
-        )
-    return client
 
 
 def is_prepared(store: JobStore, batch_id: str, query_id: str) -> bool:

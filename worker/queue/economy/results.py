@@ -32,7 +32,6 @@ from worker.queue.economy.records import (
     DOUBT,
     PAGE,
     as_sent,
-    batches_client,
     economy_pipeline,
     items_waiting,
     provider_record,
@@ -43,6 +42,7 @@ from worker.queue.economy.records import (
     store_run,
 )
 from worker.queue.economy.submission import submit
+from worker.queue.economy.watch import batches_client
 from worker.queue.jobstore import BatchJob
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ def map_results(
     :attr:`~worker.adapters.anthropic_batches.ProviderBatch.shared_ended_at`; None: not
     known): its ``canceled`` lines are the user's cancel only if that came before it
     (:func:`_user_canceled`)."""
-    client, store = batches_client(task), task.context.store
+    client, store = batches_client(task, batch.id, provider_id), task.context.store
     # read again: a cancel may have come since the poll read the batch, and been the cause
     batch = store.get_batch(batch.id) or batch
     sent = batch.canceled_at is not None and cancel_sent(store, batch.id, provider_id)
@@ -227,7 +227,8 @@ def _map_page(
     cancels its item only if ``user_canceled`` (:func:`_user_canceled`)."""
     if not lines:
         return []
-    store, pipeline, client = task.context.store, economy_pipeline(task), batches_client(task)
+    store, pipeline = task.context.store, economy_pipeline(task)
+    client = batches_client(task, batch.id, provider_id)
     settings = task.context.settings
     positions = [position_of(line.custom_id) for line in lines]
     qids = store.query_ids_at(batch.id, [p if p is not None else -1 for p in positions])

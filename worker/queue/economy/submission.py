@@ -27,7 +27,6 @@ from worker.queue.economy.finish import cancel_item, fail_items, fail_unsent
 from worker.queue.economy.ids import SUBMISSION_CHARS, chunk_requests, custom_id, new_submission
 from worker.queue.economy.leases import WATCH_MARGIN_SECONDS, expect, leased, upload_guard
 from worker.queue.economy.records import (
-    batches_client,
     economy_pipeline,
     record_sent,
     running_items,
@@ -36,6 +35,7 @@ from worker.queue.economy.records import (
 )
 from worker.queue.economy.watch import (
     SUBMIT_CLAIM,
+    batches_client,
     message_taken,
     poll_countdown,
     send_anew,
@@ -78,13 +78,13 @@ class _Pending:
 
 
 def _pending(
-    task: SiftTask, batch: BatchJob, query_ids: Sequence[str], expected: str | None
+    task: SiftTask, batch: BatchJob, query_ids: Sequence[str], expected: str | None, watch: str
 ) -> Iterator[_Pending]:
     """The items to send now: running, and in provider batch ``expected`` (None: never sent).
     Their ``custom_id`` is set when their provider batch is made up (:func:`submit`)."""
     from worker.adapters.anthropic_batches import encode_body  # the adapter is the worker's
 
-    pipeline, client = economy_pipeline(task), batches_client(task)
+    pipeline, client = economy_pipeline(task), batches_client(task, batch.id, watch)
     for qid, data, run in running_items(task, batch, query_ids):
         if run["provider"] != expected or run.get("pending"):
             continue  # sent already (a redelivered task), or its create is in doubt
@@ -271,14 +271,14 @@ def submit(
         return []
     if not query_ids:  # every item ended without a prompt: nothing to send, no client needed
         return []
-    client = batches_client(task)
+    client = batches_client(task, batch.id, watch)
     # still this run's to do (a run whose lease was taken over stops before it settles or
     # sends anything: the new holder does; after a results page this is the mapping's mark)
     expect(task, batch.id, watch, 0.0)
-    settle_doubts(task, batch, query_ids, expected)
+    settle_doubts(task, batch, query_ids, expected, watch)
     created: list[str] = []
     chunks = chunk_requests(
-        _pending(task, batch, query_ids, expected),
+        _pending(task, batch, query_ids, expected, watch),
         lambda p: p.size,
         max_requests=settings.economy_max_requests_per_batch,
         max_bytes=settings.economy_max_batch_bytes,

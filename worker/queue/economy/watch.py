@@ -1,19 +1,24 @@
 """Each economy task's message: sent anew to supersede any other still on its way, run by the
 one it names, retried with backoff, and sent again by the re-drive's sweep when it was lost
-(:func:`rewake`)."""
+(:func:`rewake`); and asked again on a worker that cannot reach the Message Batches API
+(:func:`batches_client`)."""
 
 from __future__ import annotations
 
 import logging
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from worker.constants import BATCH_QUEUE, ECONOMY_POLL_TASK, ECONOMY_SUBMIT_TASK
+from worker.errors import AttemptOutcome, RerankAttemptError
 from worker.observability import metrics
 from worker.queue.base import SiftTask
 from worker.queue.economy.leases import WATCH_MARGIN_SECONDS, expect, give_back
 from worker.queue.jobstore import BatchJob, JobStore
+
+if TYPE_CHECKING:
+    from worker.adapters.anthropic_batches import AnthropicMessageBatches
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +71,41 @@ def poll_countdown(task: SiftTask) -> float:
             settings.economy_poll_seconds * 2 ** min(task.request.retries, 30),
         )
     )
+
+
+NO_CLIENT = "the economy lane needs SIFT_GENERATION_MODEL"
+
+
+def no_batches_client(task: SiftTask) -> RerankAttemptError | None:
+    """Why this worker cannot reach the Message Batches API (it has no
+    ``SIFT_GENERATION_MODEL``: rerank turned off since the batch ran, or a pool of mixed
+    settings), or None when it can."""
+    if task.context.batches is None:
+        return RerankAttemptError(AttemptOutcome.HTTP_4XX, NO_CLIENT)
+    return None
+
+
+def batches_client(
+    task: SiftTask, batch_id: str, what: str | None = None
+) -> AnthropicMessageBatches:
+    """This worker's Message Batches client; a worker without one asks the task again at the
+    poll's cadence, for a worker with it to take a later try (``what``: the economy task's
+    watch, a provider batch or the submission, moved to that retry, its lease given back).
+
+    No call reached the provider, and the provider batches run on whatever this worker can
+    do: nothing is failed here. The poll raised, its message acked, its items ``running``
+    until the re-drive judged the message lost; the submission took it for a provider
+    ``http_4xx`` and raised applying the failure policy (which needs the model) to every
+    item not sent, its items ``running`` until the re-drive sent it again."""
+    client = task.context.batches
+    if client is not None:
+        return client
+    countdown = poll_countdown(task)
+    log.error("batch %s: %s on this worker; %s asked again in %.0f s", batch_id, NO_CLIENT,
+              what or "its task", countdown)  # fmt: skip
+    if what is not None:
+        expect(task, batch_id, what, countdown)
+    raise task.retry(countdown=countdown) from no_batches_client(task)
 
 
 def rewake(store: JobStore, send: Callable[[str, list[Any], str, str], None], now: float) -> int:

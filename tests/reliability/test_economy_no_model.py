@@ -1,0 +1,108 @@
+"""An economy batch's tasks taken by a worker without ``SIFT_GENERATION_MODEL`` (rerank turned
+off since the batch ran, or a pool of mixed settings): the worker cannot reach the Message
+Batches API, so it asks again at the poll's cadence, and a worker with the model takes a
+later try. Nothing is failed, mislabelled or left waiting for the re-drive's sweep.
+
+Before, the poll of a provider batch raised (the task failed, its message acked): the items
+read ``running`` until the watch judged the poll lost, five minutes past its due time, and
+the re-drive counted a lost message. The submission logged "failed for good", an
+``http_4xx`` of the provider's though no request had gone out, then raised applying the
+failure policy (its pricing needs the model), the items ``running`` until the re-drive sent
+it again.
+
+A real stack at default settings (the economy lane's first poll after 30 s): the worker with
+the model is stopped with the task's next message held (a poll due, or a submission's
+retry), which its shutdown puts back on the queue; the worker without the model takes it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.fake_anthropic import FakeAnthropic, status
+from tests.reliability.economy import (
+    FINISH_WINDOW,
+    economy_stack,
+    finished,
+    submit_economy,
+    worker,
+)
+from tests.reliability.support import all_results, batch_counts, ingest, wait_for
+
+pytestmark = pytest.mark.integration
+
+ITEMS = 3
+
+
+def _without_model(env: dict[str, str]) -> dict[str, str]:
+    """The same worker's settings with rerank turned off and no model."""
+    env = {k: v for k, v in env.items() if k != "SIFT_GENERATION_MODEL"}
+    return env | {"SIFT_RERANK_ENABLED": "false"}
+
+
+def _log(directory: Path, name: str) -> str:
+    path = directory / f"{name}.log"
+    return path.read_text() if path.exists() else ""
+
+
+def _took_and_asked_again(directory: Path, task: str) -> None:
+    """The worker without the model took ``task`` and retried it (Celery logs ``<task>[<id>]
+    retry``), failing nothing: waited for until it retried or failed, whichever came."""
+    retried = re.compile(re.escape(task) + r"\[[^\]]+\] retry")
+    failed = ("raised unexpected", "failed for good")
+    wait_for(lambda: bool(retried.search(text := _log(directory, "nomodel")))
+             or any(f in text for f in failed), "the worker without the model took " + task,
+             180)  # fmt: skip
+    text = _log(directory, "nomodel")
+    assert "SIFT_GENERATION_MODEL" in text, text
+    assert not any(f in text for f in failed), text
+
+
+def _all_reranked(client: object, batch_id: str) -> None:
+    results = all_results(client, batch_id)  # type: ignore[arg-type]
+    assert len(results) == ITEMS, results
+    for line in results:
+        assert line["status"] == "succeeded", line
+        assert line["result"]["rerank"]["applied"] is True, line
+
+
+@pytest.mark.timeout(600)
+def test_a_poll_taken_by_a_worker_without_the_model_is_asked_again_not_failed(
+    tmp_path: Path,
+) -> None:
+    with FakeAnthropic() as model, economy_stack(tmp_path, model) as (env, client):
+        with worker(tmp_path / "w", env, "model"):  # prepares and sends; its poll held
+            ingest(client)
+            batch_id = submit_economy(client, ITEMS)
+            wait_for(lambda: bool(model.batches()), "the provider batch made", 120)
+        with worker(tmp_path / "w", _without_model(env), "nomodel"):
+            _took_and_asked_again(tmp_path / "w", "sift.economy_poll")
+        assert not finished(client, batch_id), batch_counts(client, batch_id)
+        with worker(tmp_path / "w", env, "model2"):
+            wait_for(lambda: finished(client, batch_id), "the batch finished", FINISH_WINDOW)
+        _all_reranked(client, batch_id)
+
+
+@pytest.mark.timeout(600)
+def test_a_submission_taken_by_a_worker_without_the_model_is_asked_again_not_failed(
+    tmp_path: Path,
+) -> None:
+    with FakeAnthropic() as model, economy_stack(tmp_path, model) as (env, client):
+        # the create refused as rate-limited (nothing made): the submission retries in 30 s
+        model.script_batch_calls("create", [status(429)])
+        with worker(tmp_path / "w", env, "model"):
+            ingest(client)
+            batch_id = submit_economy(client, ITEMS)
+            wait_for(lambda: "submission failed, retrying" in _log(tmp_path / "w", "model"),
+                     "the submission's retry", 120)  # fmt: skip
+        with worker(tmp_path / "w", _without_model(env), "nomodel"):
+            _took_and_asked_again(tmp_path / "w", "sift.economy_submit")
+        counts = batch_counts(client, batch_id)
+        assert not finished(client, batch_id) and counts["counts"]["failed"] == 0, counts
+        assert model.batches() == []
+        with worker(tmp_path / "w", env, "model2"):
+            wait_for(lambda: finished(client, batch_id), "the batch finished", FINISH_WINDOW)
+        _all_reranked(client, batch_id)
