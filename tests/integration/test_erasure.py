@@ -30,7 +30,9 @@ from worker.constants import (
     ECONOMY_WATCH_KEY,
     ERASED_KEY,
     IDEMPOTENCY_KEY,
+    REDRIVE_COUNT_KEY,
     REDRIVE_OUTAGES_KEY,
+    REDRIVE_POSITIONS_KEY,
     REWRITE_INTERVAL_SECONDS,
     REWRITE_LATCH_KEY,
     REWRITE_OWED_KEY,
@@ -169,6 +171,48 @@ def test_a_jobs_final_move_takes_its_outage_notes_so_no_key_names_it_past_its_re
     assert store.redis.exists(REDRIVE_OUTAGES_KEY + open_batch.id)
     assert store.redis.lrange("provider-q", 0, -1) == ["provider"]
     assert store.redis.lrange("count-q", 0, -1) == ["count 2", "count"]
+
+
+def test_a_jobs_final_move_takes_its_re_drive_counters_so_no_key_names_it_past_its_record(
+    store: JobStore,
+) -> None:
+    """The re-drive's counters of a job (sift:redrives:<id>, a batch's
+    sift:redrive-positions:<id>) go with its final move, as its outage notes do: a final job is
+    never re-driven again, and they lived their retention naming it (a search's, a batch's
+    completed by its last item, one completed by a cancel; one left open keeps them)."""
+    job = store.create_search("acme", SearchSpec(index="docs", query="q"), webhook_url=HOOK)
+    assert store.start_search(job.id)
+    assert store.count_redrive(job.id) == 1
+    assert _named(store, job.id) == [REDRIVE_COUNT_KEY + job.id, SEARCH_KEY + job.id]
+    assert store.finish_search(job.id, result=_result())
+    assert _named(store, job.id) == [SEARCH_KEY + job.id]
+
+    items = [(f"q{n}", SearchSpec(index="docs", query="q")) for n in range(2)]
+    ended, canceled, open_batch = (store.create_batch("acme", "docs", items) for _ in range(3))
+    counters = (REDRIVE_COUNT_KEY, REDRIVE_POSITIONS_KEY)
+    for batch in (ended, canceled, open_batch):
+        assert store.start_item(batch.id, "q0")
+        assert store.count_redrive(batch.id) == 1
+        assert store.count_redrive_positions(batch.id, [0, 1]) == {0: 1, 1: 1}
+        store.finish_item(batch.id, "q0", result=_result())
+        assert all(store.redis.exists(prefix + batch.id) for prefix in counters)
+    assert store.start_item(ended.id, "q1")
+    assert store.finish_item(ended.id, "q1", result=_result()).batch_completed
+    assert not any(store.redis.exists(prefix + ended.id) for prefix in counters)
+    # the cancel's messages come after the counters in its script's keys: each in its own list
+    completed = store.cancel_batch(
+        canceled.id, announce=[("hook-q", "hook")], count=("count-q", "count")
+    )
+    assert completed == (1, True)
+    assert not any(store.redis.exists(prefix + canceled.id) for prefix in counters)
+    assert [store.redis.lrange(q, 0, -1) for q in ("hook-q", "count-q")] == [["hook"], ["count"]]
+    assert store.start_item(open_batch.id, "q1")
+    left_open = store.cancel_batch(
+        open_batch.id, count=("count-q", "count 2"), provider=("provider-q", "provider")
+    )
+    assert left_open == (0, False)  # q1 runs on: its counters stay, as the batch is not final
+    assert all(store.redis.exists(prefix + open_batch.id) for prefix in counters)
+    assert store.redis.lrange("provider-q", 0, -1) == ["provider"]
 
 
 def test_an_erased_batch_is_not_written_back_by_a_late_item_or_economy_step(

@@ -29,7 +29,6 @@ from worker.constants import (
     ECONOMY_RUNS_KEY,
     ECONOMY_STATE_KEY,
     LANE_STANDARD,
-    REDRIVE_OUTAGES_KEY,
     STATS_KEY,
     WEBHOOKS_OWED_KEY,
 )
@@ -56,6 +55,7 @@ from worker.queue.jobstore.records import (
 )
 from worker.queue.jobstore.store import (
     BATCH_KEYS,
+    RE_DRIVE_KEYS,
     _StoreCore,
     move_token,
     resending,
@@ -377,7 +377,7 @@ class BatchRecords(_StoreCore):
             ACTIVE_JOBS_KEY,
             WEBHOOKS_OWED_KEY,
             *[prefix + batch_id for prefix in _CANCEL_RETAINED],
-            REDRIVE_OUTAGES_KEY + batch_id,
+            *[prefix + batch_id for prefix in RE_DRIVE_KEYS],
             *[key for key, _ in messages],
         ]
         args = [

@@ -6,8 +6,9 @@ They are plain sources here; :class:`~worker.queue.jobstore.store._StoreCore` re
 
 from __future__ import annotations
 
-# KEYS: record, stats, active, webhooks owed, the job's outage notes. ARGV: to, allowed-from
-# (comma list), ttl, now,
+# KEYS: record, stats, active, webhooks owed, then the job's re-drive bookkeeping (its outage
+# notes, its re-drive count, a batch's positions' counts: RE_DRIVE_KEYS in store.py). ARGV: to,
+# allowed-from (comma list), ttl, now,
 # job id, the move's token, then field/value pairs. Returns -1 when the record is missing, 0
 # when refused, 1 when applied. A final move gives the record its retention (``ttl``); any
 # other leaves it none (one an older release gave a TTL loses it): a job not final never
@@ -18,9 +19,10 @@ from __future__ import annotations
 # webhook, no count). A final move drops the model's
 # answer a search's run claim kept (its "run" field, _KEEP_ANSWER): no run comes after; of a
 # job with a webhook it records the webhook owed, due ``now`` (worker/queue/redrive.py); and it
-# deletes the job's outage notes (_NOTE_OUTAGE): a final job is never re-driven, and a key that
-# names the job and outlives its record is one an older release's erase or purge, whose key
-# lists predate the notes, leaves behind.
+# deletes the job's re-drive bookkeeping (outage notes, _NOTE_OUTAGE; re-drive counts,
+# _COUNT_REDRIVES): a final job is never re-driven, and a key that names the job and outlives
+# its record is one an older release's erase or purge, whose key lists predate the notes,
+# leaves behind (the counts lived their retention naming a finished or erased job).
 _TRANSITION_JOB = """
 local cur = redis.call('HGET', KEYS[1], 'status')
 if not cur then return -1 end
@@ -41,7 +43,7 @@ if to == 'succeeded' or to == 'failed' or to == 'canceled' then
   local run = redis.call('HGET', KEYS[1], 'run')
   local claim = run and string.match(run, '^([^|]*|[^|]*|[^|]*|[^|]*|[^|]*)|')
   if claim then redis.call('HSET', KEYS[1], 'run', claim) end
-  redis.call('DEL', KEYS[5])
+  redis.call('DEL', KEYS[5], KEYS[6], KEYS[7])
   redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
 else
   redis.call('ZADD', KEYS[3], 'XX', ARGV[4], ARGV[5])
@@ -55,8 +57,9 @@ return 1
 #   9 webhooks owed, 10 the economy lane's prepared items, 11 order, 12 specs, 13 lost, 14 its
 #   chunks' run claims, 15-17 the economy lane's runs, provider batches and state (with 1-4,
 #   7 and 8, the batch's keys: none has a TTL while the batch runs, and a move that completes
-#   it gives each the retention from now, in this script), 18 the batch's outage notes (a move
-#   that completes it deletes them, as a job's final move does: _TRANSITION_JOB).
+#   it gives each the retention from now, in this script), 18-20 the batch's re-drive
+#   bookkeeping: outage notes, re-drive count, positions' counts (a move that completes it
+#   deletes them, as a job's final move does: _TRANSITION_JOB).
 # ARGV:
 #   1 query id, 2 to, 3 allowed-from (comma list), 4 outcome JSON or '', 5 now, 6 batch id;
 #   7 '' (a plain move), '1' when a cancel of the batch turns this move into a cancel (the
@@ -159,7 +162,7 @@ if done >= total and redis.call('HSETNX', KEYS[4], 'finished_at', ARGV[5]) == 1 
   for _, i in ipairs({1, 2, 3, 4, 7, 8, 10, 11, 12, 13, 14, 15, 16, 17}) do
     redis.call('EXPIRE', KEYS[i], tonumber(ARGV[13]))
   end
-  redis.call('DEL', KEYS[18])
+  redis.call('DEL', KEYS[18], KEYS[19], KEYS[20])
   code = 2
 else
   redis.call('ZADD', KEYS[6], 'XX', ARGV[5], ARGV[6])
@@ -177,9 +180,9 @@ return {code, canceled}
 #   9 results, 10 moves, 11 run claims, 12 lost, 13 chunks' run claims, 14-17 the economy
 #   lane's prepared items, runs, provider batches and state (with 1-3, the batch's keys: none
 #   has a TTL while the batch runs, and a cancel that completes the batch gives each the
-#   retention from now), 18 the batch's outage notes (deleted by a cancel that completes it,
-#   as by a final move: _TRANSITION_JOB), 19.. one list per message to push (in the order of
-#   the messages).
+#   retention from now), 18-20 the batch's re-drive bookkeeping: outage notes, re-drive count,
+#   positions' counts (deleted by a cancel that completes it, as by a final move:
+#   _TRANSITION_JOB), 21.. one list per message to push (in the order of the messages).
 # ARGV: 1 now, 2 batch id, 3 the cancel's token, 4 two flags (each 0 or 1): whether the
 #   messages start with the count's, then whether with the provider cancel's; 5 the
 #   retention (seconds); 6.. the raw messages, in this order:
@@ -236,16 +239,16 @@ if done >= total and redis.call('HSETNX', KEYS[3], 'finished_at', ARGV[1]) == 1 
   for _, i in ipairs({1, 2, 3, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17}) do
     redis.call('EXPIRE', KEYS[i], tonumber(ARGV[5]))
   end
-  redis.call('DEL', KEYS[18])
-  for i = 19 + counted + provider, #KEYS do redis.call('LPUSH', KEYS[i], ARGV[i - 13]) end
+  redis.call('DEL', KEYS[18], KEYS[19], KEYS[20])
+  for i = 21 + counted + provider, #KEYS do redis.call('LPUSH', KEYS[i], ARGV[i - 15]) end
 end
 if provider == 1 and completed == 0 then
-  redis.call('LPUSH', KEYS[19 + counted], ARGV[6 + counted])
+  redis.call('LPUSH', KEYS[21 + counted], ARGV[6 + counted])
 end
 if counted == 1 and (n > 0 or completed == 1) then
   if n > 0 then redis.call('HINCRBY', KEYS[3], 'cancel_uncounted', n) end
   if completed == 1 then redis.call('HSET', KEYS[3], 'cancel_completed', '1') end
-  redis.call('LPUSH', KEYS[19], ARGV[6])
+  redis.call('LPUSH', KEYS[21], ARGV[6])
 end
 if ARGV[3] ~= '' then
   redis.call('HSET', KEYS[3], 'cancel_move', ARGV[3] .. ' ' .. n .. ' ' .. completed)

@@ -41,7 +41,9 @@ from worker.constants import (
     ECONOMY_PROVIDERS_KEY,
     ECONOMY_RUNS_KEY,
     ECONOMY_STATE_KEY,
+    REDRIVE_COUNT_KEY,
     REDRIVE_OUTAGES_KEY,
+    REDRIVE_POSITIONS_KEY,
     RESULT_TTL_SECONDS,
     STATS_KEY,
     STATS_UNTRACKED_KEY,
@@ -158,6 +160,12 @@ BATCH_KEYS = (
     BATCH_RUNS_KEY,
     BATCH_LOST_KEY,
 )
+
+#: A job's re-drive bookkeeping (its outage notes, its re-drive count, a batch's positions'
+#: counts), which its final move deletes (``_TRANSITION_JOB``, ``_TRANSITION_ITEM``,
+#: ``_CANCEL_BATCH``): a final job is never re-driven, and they lived their retention naming
+#: a finished or erased job.
+RE_DRIVE_KEYS = (REDRIVE_OUTAGES_KEY, REDRIVE_COUNT_KEY, REDRIVE_POSITIONS_KEY)
 
 
 class _StoreCore:
@@ -289,7 +297,7 @@ class _StoreCore:
             stats,
             ACTIVE_JOBS_KEY,
             WEBHOOKS_OWED_KEY,
-            REDRIVE_OUTAGES_KEY + job_id,
+            *[prefix + job_id for prefix in RE_DRIVE_KEYS],
         ]
         (code,) = self._transitions.call([(self._transition_job, keys, args)])
         if isinstance(code, Exception):
@@ -349,7 +357,7 @@ class _StoreCore:
                     ECONOMY_RUNS_KEY + batch_id,
                     ECONOMY_PROVIDERS_KEY + batch_id,
                     ECONOMY_STATE_KEY + batch_id,
-                    REDRIVE_OUTAGES_KEY + batch_id,
+                    *[prefix + batch_id for prefix in RE_DRIVE_KEYS],
                 ],
                 [
                     query_id,
