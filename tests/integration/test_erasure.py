@@ -431,6 +431,36 @@ def test_an_erase_has_redis_rewrite_its_aof_so_the_erased_text_leaves_its_disk(
             store.close()
 
 
+def test_an_erase_repeated_after_an_older_gateways_has_redis_rewrite_its_aof(
+    tmp_path: Path,
+) -> None:
+    """An erase made by a gateway older than the rewrite's mark deleted the job and wrote its
+    erasure mark, but owed no rewrite: the AOF kept the text. The same erase sent again (the
+    way to have it leave the disk) owes and asks the rewrite as a first one does. Before, it
+    answered "erased already" and asked nothing: the text stayed until Redis's own rewrite."""
+    query = "erasable " + uuid.uuid4().hex
+    with redis_server(tmp_path, appendonly=True) as url:
+        store = JobStore.from_url(url + "/0")
+        try:
+            job_id = _finished_search(store, query)
+            # the older gateway's erase: the job's keys gone, the mark written, nothing owed
+            store.redis.delete(SEARCH_KEY + job_id)
+            store.redis.zrem(job_index_key("search", "acme"), job_id)
+            store.redis.hset(
+                ERASED_KEY + job_id,
+                mapping={"tenant": "acme", "kind": "search", "erased_at": "1.0"},
+            )
+            assert _naming(store, query) == [] and _on_disk(tmp_path, query)
+            assert not store.redis.exists(REWRITE_OWED_KEY)
+            erasure = store.erase_job("search", "acme", job_id)
+            assert (erasure.outcome, erasure.erased_at) == (EraseOutcome.ERASED, 1.0)
+            assert _settled(store.redis)["aof_rewrites"] == 1
+            assert not _on_disk(tmp_path, query)
+            assert store.erase_job("search", "globex", job_id).outcome is EraseOutcome.MISSING
+        finally:
+            store.close()
+
+
 def test_a_burst_of_erases_forks_one_rewrite_and_the_sweep_pays_the_one_held_back(
     tmp_path: Path,
 ) -> None:

@@ -32,7 +32,9 @@ and candidates' text, for its 29 days.
 Redis's files: the AOF (and an RDB snapshot) still hold the writes that stored the job. The
 erase's script marks a rewrite owed and the erase asks for it (``BGREWRITEAOF``, or
 ``BGSAVE``), at most once per :data:`~worker.constants.REWRITE_INTERVAL_SECONDS`, the re-drive's
-sweep asking for one held back (:mod:`~worker.queue.jobstore.rewrite`).
+sweep asking for one held back (:mod:`~worker.queue.jobstore.rewrite`). An erase of a job
+erased already owes it again: one made by a gateway older than the mark owed none, and the
+AOF kept the text; sent again, the erase has it leave the disk.
 
 What stays: the mark (``sift:erased:<id>``: tenant, kind, time; no text) for the retention,
 so the job answers ``410 erased`` to its tenant rather than ``404`` (another tenant still gets
@@ -115,7 +117,8 @@ class ErasureRecords(TenantRecords):
         payment: DueMessage | None = None,
     ) -> Erasure:
         """Erase ``tenant``'s finished ``kind`` job ``job_id`` (``search`` or ``batch``). Safe to
-        call again: a job erased already answers as erased, with its first erasure's time.
+        call again: a job erased already answers as erased, with its first erasure's time, and
+        owes Redis's rewrite again (an older gateway's erase owed none).
 
         ``provider`` (a broker message, (list key, raw message): a batch's
         :data:`~worker.constants.ECONOMY_DELETE_TASK`) is written by the same script if the

@@ -807,15 +807,20 @@ return 1
 #   other keys.
 # ARGV: 1 the tenant, 2 the job id, 3 its kind ('search' or 'batch'), 4 now, 5 the mark's TTL,
 #   6 the delete task's message ('': none).
-# Returns {1, now} when erased now, {2, when} when the tenant had erased it already (nothing
-# written: the same answer again), {0, status} when it has not finished (nothing written),
-# {-1, ''} when there is no such job of the tenant's (missing, expired, or another's).
+# Returns {1, now} when erased now, {2, when} when the tenant had erased it already (the same
+# answer again; only the rewrite is owed again: an erase by a gateway older than its mark owed
+# none, and the AOF kept the text until sent again), {0, status} when it has not finished
+# (nothing written), {-1, ''} when there is no such job of the tenant's (missing, expired,
+# or another's).
 _ERASE_JOB = (
     _MADE_PROVIDERS
     + """
 local mark = redis.call('HMGET', KEYS[2], 'tenant', 'erased_at')
 if mark[1] then
-  if mark[1] == ARGV[1] then return {2, mark[2]} end
+  if mark[1] == ARGV[1] then
+    redis.call('SET', KEYS[9], ARGV[4])
+    return {2, mark[2]}
+  end
   return {-1, ''}
 end
 if redis.call('HGET', KEYS[1], 'tenant') ~= ARGV[1] then return {-1, ''} end
