@@ -16,7 +16,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import anthropic
+import celery.exceptions
 import pytest
+import redis
 
 from api_gateway.queue import OutboxSender
 from tests.fake_anthropic import FakeAnthropic, good, status
@@ -26,6 +28,7 @@ from worker.adapters.anthropic_batches import AnthropicMessageBatches
 from worker.constants import (
     ECONOMY_DELETE_CHAIN_KEY,
     ECONOMY_DELETE_KEY,
+    ECONOMY_DELETE_REFUSED_KEY,
     ECONOMY_DELETE_TASK,
     ECONOMY_PROVIDERS_KEY,
     SEARCH_QUEUE,
@@ -46,8 +49,8 @@ QUEUE = "test-queue"
 PARAMS = {"model": MODEL, "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
 
 
-class Retry(Exception):
-    """The task's retry, raised as Celery's is."""
+class Retry(celery.exceptions.Retry):
+    """The task's retry, raised as Celery's is (one of its kind: the chain keeps its lease)."""
 
 
 class _Task:
@@ -362,6 +365,31 @@ def test_a_delete_refused_for_its_key_is_asked_again_once_when_a_worker_starts(
     assert store.redis.keys(f"*{batch_id}*") == [f"sift:erased:{batch_id}"]
 
 
+def test_a_real_worker_s_chain_failed_by_redis_gives_its_lease_back(
+    model: FakeAnthropic,
+    client: AnthropicMessageBatches,
+    store: JobStore,
+    redis_url: str,
+    tmp_path: Path,
+) -> None:
+    """A real worker's delete task that Redis fails after it took the chain (its script
+    keeping a refused delete aside answers an error: the key holds a value of another type)
+    fails, acked, and gives the chain's lease back: no retry of it comes. Before, the lease
+    stayed for three polls past the run (up to 32 min at the default cap), and a starting
+    worker's task in that window left its work to it."""
+    provider_id = _made(client)
+    model.script_batch_calls("delete", [status(403)])
+    record = {"round": 1, "requests": 1, "created_at": 1.0, "ended_at": 2.0}
+    batch_id = _erased_batch(store, {provider_id: record}, _erase_message(store))
+    store.redis.set(ECONOMY_DELETE_REFUSED_KEY + batch_id, "not a hash")
+    log = tmp_path / "failed.log"
+    with celery_worker(tmp_path, _worker_env(redis_url, model), "failed", concurrency=2):
+        _until(lambda: "sift.economy_delete" in log.read_text()
+               and "WRONGTYPE" in log.read_text())  # fmt: skip
+        _until(lambda: not store.redis.exists(ECONOMY_DELETE_CHAIN_KEY + batch_id))
+    assert not _retrying(log)  # failed, acked: no retry of it comes
+
+
 def test_a_candidate_whose_judgement_the_key_refuses_is_judged_again_when_a_worker_starts(
     model: FakeAnthropic, client: AnthropicMessageBatches, store: JobStore, redis_url: str
 ) -> None:
@@ -503,6 +531,45 @@ def test_a_chain_whose_worker_died_is_taken_over_by_the_next_message(
     assert len(old.countdowns) == 1
     model.configure(batch_processing_seconds=0.0)
     delete_erased(new, batch_id)  # type: ignore[arg-type]
+    assert _held(model) == set()
+    assert store.redis.keys(f"*{batch_id}*") == [f"sift:erased:{batch_id}"]
+
+
+def test_a_chain_ended_by_an_unexpected_error_gives_its_lease_back_to_the_next_message(
+    model: FakeAnthropic,
+    client: AnthropicMessageBatches,
+    store: JobStore,
+    redis_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A chain's run ended by an exception Celery does not retry (Redis failing as it drops
+    a deleted id, here; a bug) is acked: the chain is over, and it gives its lease back, so
+    the next message for the batch (a starting worker's) takes the chain and deletes. Its
+    retries keep it (the retry's copy is the chain). Before, the lease stayed until it
+    lapsed (up to 32 min at the default poll cap): that message found it live, left its
+    ids to a chain that no longer existed, and ended."""
+    made, waiting = _made(client), _running_candidate(model, client)
+    record = {"round": 1, "requests": 1, "created_at": 1.0, "ended_at": 2.0}
+    candidate = {**record, "ended_at": None, "submission": "s2", "doubt": True}
+    batch_id = _erased_batch(store, {made: record, waiting: candidate})
+    context = WorkerContext(settings=load_settings(redis_url=redis_url), store=store,
+                            limiter=ProviderLimiter(1), _batches=client)  # fmt: skip
+    chain = _Task(context, "erase")
+    with pytest.raises(Retry):  # the candidate runs: the chain retries, its lease kept
+        delete_erased(chain, batch_id)  # type: ignore[arg-type]
+    assert store.redis.get(ECONOMY_DELETE_CHAIN_KEY + batch_id) == "erase"
+    store.redis.sadd(ECONOMY_DELETE_KEY + batch_id, made)  # as a start's token task puts back
+
+    def failing(*_: Any) -> None:
+        raise redis.ConnectionError("Connection reset by peer")
+
+    monkeypatch.setattr(store, "provider_deleted", failing)
+    with pytest.raises(redis.ConnectionError):
+        delete_erased(chain, batch_id)  # type: ignore[arg-type]
+    assert not store.redis.exists(ECONOMY_DELETE_CHAIN_KEY + batch_id)  # given back
+    monkeypatch.undo()
+    model.configure(batch_processing_seconds=0.0)
+    delete_erased(_Task(context, "start"), batch_id)  # type: ignore[arg-type]  # takes it
     assert _held(model) == set()
     assert store.redis.keys(f"*{batch_id}*") == [f"sift:erased:{batch_id}"]
 

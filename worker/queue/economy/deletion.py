@@ -30,7 +30,10 @@ provider still holds); one that goes through is counted ``deleted``. Before, a r
 final: fixed key or not, the provider batch stayed there for its 29 days. A candidate whose
 judgement the key refuses is kept aside the same way, and not counted: it may be another
 client's. One task retries per batch (its chain, holding a lease in Redis): a
-starting worker's task that finds it live leaves the refused ones it put back to it.
+starting worker's task that finds it live leaves the refused ones it put back to it. A chain
+whose run ends by an exception Celery does not retry gives the lease back as it ends (its
+retries keep it): before, it stayed until it lapsed, and such a task left its work to a chain
+that no longer existed.
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import redis
 from celery import shared_task
+from celery.exceptions import Reject, Retry
 
 from worker.constants import ECONOMY_DELETE_TASK, SEARCH_QUEUE
 from worker.errors import RerankAttemptError
@@ -154,6 +159,32 @@ def delete_erased(task: SiftTask, batch_id: str, refused_token: str = "") -> Non
         log.info("batch %s: its provider batches are left to the delete task already "
                  "asking them", batch_id)  # fmt: skip
         return
+    try:
+        _run_chain(task, batch_id, chain, candidates)
+    except (Retry, Reject):  # the chain goes on in the same message: its lease is its own
+        raise
+    except Exception:  # acked, never retried: the chain is over, and its lease goes with it
+        _let_go(store, batch_id, chain)
+        raise
+
+
+def _let_go(store: JobStore, batch_id: str, chain: str) -> None:
+    """Give the chain ``chain``'s lease back (:meth:`JobStore.let_go_delete_chain`), as its run
+    ends by an exception no retry follows. Before, the lease stayed until it lapsed (three
+    polls: up to 32 minutes at the default cap), and a starting worker's task in that window
+    handed the refused ones it put back to a chain that no longer existed. Never raises: the
+    run's own exception is the one to see (Redis failing here, the lease lapses)."""
+    try:
+        store.let_go_delete_chain(batch_id, chain)
+    except redis.RedisError as exc:
+        log.warning("batch %s: the delete chain's lease not given back (%s): it lapses",
+                    batch_id, exc)  # fmt: skip
+
+
+def _run_chain(task: SiftTask, batch_id: str, chain: str, candidates: dict[str, str]) -> None:
+    """The run of the chain ``chain``, which holds ``batch_id``'s lease: judge the
+    ``candidates``, delete the provider batches, and go on (:func:`_go_on`) or end."""
+    store = task.context.store
     if (missing := no_batches_client(task)) is not None:  # one with a model may take the retry
         waiting = store.provider_deletions(batch_id) + list(candidates)
         log.error("batch %s: provider batches %s not deleted yet, asked again later: %s",

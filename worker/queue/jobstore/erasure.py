@@ -276,6 +276,14 @@ class ErasureRecords(TenantRecords):
         args: list[str | int] = [task_id, _ms(lease_seconds), "1" if waiting else "0"]
         return bool(self._end_delete_chain(keys=keys, args=args))
 
+    def let_go_delete_chain(self, batch_id: str, task_id: str) -> bool:
+        """Let the delete task ``task_id``'s lease on ``batch_id``'s chain go, if it still
+        holds it: its run ended by an exception Celery does not retry, so no retry of it
+        comes, and the next message for the batch (a starting worker's) is to take the chain
+        rather than hand its work to one that no longer exists. Answers whether it was let go."""
+        keys = [ECONOMY_DELETE_CHAIN_KEY + batch_id]
+        return bool(self._let_go_delete_chain(keys=keys, args=[task_id]))
+
     def was_erased(self, job_id: str) -> bool:
         """Whether the job was erased (by its tenant: the mark's is the job's)."""
         return bool(self.redis.exists(ERASED_KEY + job_id))

@@ -769,6 +769,14 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
 
+# A delete task's chain ended by an exception Celery does not retry (its message acked): the
+# lease (KEYS[1]) is let go if it is still the task's (ARGV[1]), for the next message for the
+# batch to take. Returns 1 when it was let go.
+_LET_GO_DELETE_CHAIN = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+return redis.call('DEL', KEYS[1])
+"""
+
 # The end of a delete task's run: whether it retries. Another's chain holds the lease (this
 # one's lapsed): 0, it ends. Else, with work left to wait for (ARGV[3] '1') or anything in
 # the provider batches to delete (KEYS[2]) or the candidates to judge (KEYS[3]) (a starting

@@ -72,6 +72,7 @@ from worker.queue.jobstore.scripts import (
     _HELD_CHUNKS,
     _KEEP_ANSWER,
     _KEEP_PROVIDER_DELETIONS,
+    _LET_GO_DELETE_CHAIN,
     _NOTE_OUTAGE,
     _READ_JOBS,
     _RELEASE_IDEMPOTENCY,
@@ -204,6 +205,7 @@ class _StoreCore:
         self._take_refused = client.register_script(_TAKE_REFUSED)
         self._claim_delete_chain = client.register_script(_CLAIM_DELETE_CHAIN)
         self._end_delete_chain = client.register_script(_END_DELETE_CHAIN)
+        self._let_go_delete_chain = client.register_script(_LET_GO_DELETE_CHAIN)
         self._read_jobs = client.register_script(_READ_JOBS)
         # status transitions that threads ask for while one round trip is out go together
         # in the next (a worker's hundreds of threads each make two per search)
