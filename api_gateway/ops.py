@@ -21,6 +21,7 @@ from worker.observability.metrics import (
     job_store_unread,
     metrics_response,
     multiprocess_dir,
+    provider_deletes_refused,
     update_backlog,
 )
 from worker.queue.jobstore import JobStore
@@ -77,12 +78,14 @@ async def prometheus(request: Request) -> Response:
     store: JobStore = request.app.state.store
 
     def render() -> bytes:
-        try:  # "queued" and the backlog are the job store's and the broker's to report
+        try:  # "queued", the backlog and the refused deletes are the store's to report
             JOBS_IN_FLIGHT.labels("queued").set(store.in_flight()["queued"])
             update_backlog(store.redis, ALL_QUEUES)
+            provider_deletes_refused(store.refused_provider_batches())
         except REDIS_ERRORS as exc:
             log.warning("metrics: Redis unavailable: %s", exc)
             job_store_unread(ALL_QUEUES)  # unknown now, not the last values read
+            provider_deletes_refused(None)
         shared, _ = metrics_response()
         if multiprocess_dir() is not None:
             # every value is in the files (its own HTTP metrics too): served once

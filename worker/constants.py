@@ -266,6 +266,8 @@ METRIC_RATE_BUDGET_WAIT = "sift_rate_budget_wait_seconds"  # the shared rate bud
 METRIC_PROVIDER_429 = "sift_provider_429_total"  # 429 answers of the model provider
 # an erased batch's provider batches, deleted at the provider or refused for good
 METRIC_PROVIDER_DELETES = "sift_provider_batch_deletes_total"
+# ... and those whose delete (or a candidate's read) the provider refused, still kept aside
+METRIC_PROVIDER_DELETES_REFUSED = "sift_provider_batch_deletes_refused"
 METRIC_WEBHOOK_DEFERRALS = "sift_webhook_deferrals_total"  # put off: slots (or a share) full
 METRIC_WORKER_PROCESSES = "sift_worker_processes"  # a sift worker supervisor's processes
 METRIC_WORKER_RESTARTS = "sift_worker_restarts_total"  # ... that exited unasked, restarted

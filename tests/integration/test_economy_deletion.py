@@ -19,9 +19,13 @@ import anthropic
 import celery.exceptions
 import pytest
 import redis
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.testclient import TestClient
 
+from api_gateway.app import create_app
 from api_gateway.queue import OutboxSender
 from tests.fake_anthropic import FakeAnthropic, good, status
+from tests.integration.gateway_app import gateway_settings
 from tests.services import celery_worker
 from worker.adapters.anthropic import AnthropicReranker
 from worker.adapters.anthropic_batches import AnthropicMessageBatches
@@ -680,3 +684,41 @@ def test_a_refusal_is_counted_once_per_provider_batch_and_a_candidate_s_read_not
     assert _held(model) == {theirs}  # Sift's deleted; the other client's left
     assert (_deletes("refused") - refused, _deletes("deleted") - deleted) == (1, 1)
     assert store.redis.keys(f"*{batch_id}*") == [f"sift:erased:{batch_id}"]
+
+
+def _refused_gauge(text: str) -> dict[str, float]:
+    """``sift_provider_batch_deletes_refused`` in a ``/metrics`` page, by ``kind``."""
+    return {
+        sample.labels["kind"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "sift_provider_batch_deletes_refused"
+    }
+
+
+def test_the_gateway_s_metrics_show_the_refused_deletes_the_provider_still_holds(
+    model: FakeAnthropic, client: AnthropicMessageBatches, store: JobStore, redis_url: str
+) -> None:
+    """``sift_provider_batch_deletes_refused`` is read from Redis at each scrape, as the
+    backlog is: the provider batches of erasures whose delete the key was refused, kept
+    aside until a worker starts (``delete``), and the candidates whose read it refused
+    (``candidate``: maybe another client's); a start with the key fixed empties it. Before,
+    nothing showed them: the counter's ``refused`` less ``deleted`` needs every worker's
+    counts since the refusal, and resets with a worker."""
+    made, other = _made(client), _made(client)
+    record = {"round": 1, "requests": 1, "created_at": 1.0, "ended_at": 2.0}
+    candidate = {**record, "submission": "s2", "doubt": True}
+    batch_id = _erased_batch(store, {made: record, other: candidate})
+    context = WorkerContext(settings=load_settings(redis_url=redis_url), store=store,
+                            limiter=ProviderLimiter(1), _batches=client)  # fmt: skip
+    with TestClient(create_app(gateway_settings(redis_url))) as gateway:
+        assert _refused_gauge(gateway.get("/metrics").text) == {"delete": 0, "candidate": 0}
+        model.script_batch_calls("retrieve", [status(403)])
+        model.script_batch_calls("delete", [status(403)])
+        delete_erased(_Task(context, "erase"), batch_id)  # type: ignore[arg-type]
+        assert _refused_gauge(gateway.get("/metrics").text) == {"delete": 1, "candidate": 1}
+        sent: list[tuple[str, str]] = []
+        assert ask_refused_again(store, lambda *args: sent.append(args)) == 1
+        delete_erased(_Task(context, "start"), *sent[-1])  # type: ignore[arg-type]
+        assert _held(model) == {other}  # Sift's deleted; the other client's left
+        assert _refused_gauge(gateway.get("/metrics").text) == {"delete": 0, "candidate": 0}

@@ -5,7 +5,8 @@ the provider's 429s), by model and lane."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Final
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -15,6 +16,7 @@ from worker.constants import (
     LANES,
     METRIC_PROVIDER_429,
     METRIC_PROVIDER_DELETES,
+    METRIC_PROVIDER_DELETES_REFUSED,
     METRIC_RATE_BUDGET_WAIT,
     METRIC_RERANK_ATTEMPTS,
     METRIC_RERANK_COST,
@@ -151,6 +153,20 @@ PROVIDER_DELETES = Counter(
     "when a worker starts, left at the provider until then).",
     ["result"],
 )
+# What the provider still holds of erasures because the key was refused, read from Redis at
+# each scrape (sift:eco-delete-refused:<batch>): the counter's ``refused`` less ``deleted``
+# needs every worker's counts since the refusal, which a worker's restart resets. ``delete``:
+# provider batches Sift made; ``candidate``: a create in doubt's, whose read was refused
+# (maybe another client's). Both wait for a worker start, which asks each again once.
+PROVIDER_REFUSED_KINDS: Final = ("delete", "candidate")
+PROVIDER_DELETES_REFUSED = Gauge(
+    METRIC_PROVIDER_DELETES_REFUSED,
+    "An erased batch's provider batches kept aside because the provider refused the key "
+    "(HTTP 401 or 403), still held there until a worker starts and asks again, by kind "
+    "(delete: Sift's own; candidate: a create in doubt's, not judged), as last read.",
+    ["kind"],
+    multiprocess_mode="livemostrecent",
+)
 
 
 @contextlib.contextmanager
@@ -204,3 +220,13 @@ def provider_batch_delete(result: str) -> None:
     """An erased batch's provider batch was ``deleted`` at the provider, or ``refused`` for
     the key (for the first time)."""
     PROVIDER_DELETES.labels(closed(result, PROVIDER_DELETE_RESULTS, "result")).inc()
+
+
+@never_raises
+def provider_deletes_refused(counts: Mapping[str, int] | None) -> None:
+    """Set ``sift_provider_batch_deletes_refused`` from the job store's ``counts`` by kind
+    (:meth:`~worker.queue.jobstore.JobStore.refused_provider_batches`); None: the store could
+    not be read, so NaN, not the last values read (as :func:`job_store_unread`)."""
+    for kind in PROVIDER_REFUSED_KINDS:
+        value = math.nan if counts is None else counts.get(kind, 0)
+        PROVIDER_DELETES_REFUSED.labels(kind).set(value)

@@ -237,6 +237,18 @@ class ErasureRecords(TenantRecords):
         """The erased batches some of whose provider batches' deletes were refused."""
         return sorted(_text(b) for b in self.redis.hkeys(ECONOMY_DELETE_REFUSALS_KEY))
 
+    def refused_provider_batches(self) -> dict[str, int]:
+        """How many provider batches of erasures are kept aside because the provider refused
+        the key, by kind: ``delete`` (Sift's own, whose delete was refused: the provider holds
+        them) and ``candidate`` (a create in doubt's, whose read was refused: maybe another
+        client's), for ``sift_provider_batch_deletes_refused``. Read in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        for batch_id in self.redis.hkeys(ECONOMY_DELETE_REFUSALS_KEY):
+            pipe.hvals(ECONOMY_DELETE_REFUSED_KEY + _text(batch_id))
+        submissions = [_text(s) for held in pipe.execute() for s in held]
+        made = sum(1 for s in submissions if not s)
+        return {"delete": made, "candidate": len(submissions) - made}
+
     def ask_refused(self, batch_id: str, token: str) -> bool:
         """Whether the delete task sent with ``token`` is to ask ``batch_id``'s refused
         deletes again (:meth:`take_refused`): False when they expired (the batch leaves the
