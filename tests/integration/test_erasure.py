@@ -215,6 +215,35 @@ def test_a_jobs_final_move_takes_its_re_drive_counters_so_no_key_names_it_past_i
     assert store.redis.lrange("provider-q", 0, -1) == ["provider"]
 
 
+def test_a_re_drive_counted_after_a_jobs_final_move_or_its_erase_writes_nothing(
+    store: JobStore,
+) -> None:
+    """A sweep that found a job's work lost counts the re-drive after the job's final move or
+    its erase (the run came back, or the tenant erased it, between the two): nothing is
+    written, as for an outage's note. Before, the count brought sift:redrives:<id> (a batch's
+    sift:redrive-positions:<id>) back for the retention, naming a finished or erased job."""
+    job = store.create_search("acme", SearchSpec(index="docs", query="q"))
+    assert store.start_search(job.id)
+    assert store.count_redrive(job.id) == 1
+    assert store.finish_search(job.id, result=_result())
+    assert store.count_redrive(job.id) == 0  # final: not counted, its count gone with it
+    assert _named(store, job.id) == [SEARCH_KEY + job.id]
+    assert store.erase_job("search", "acme", job.id).outcome is EraseOutcome.ERASED
+    assert store.count_redrive(job.id) == 0
+    items = [(f"q{n}", SearchSpec(index="docs", query="q")) for n in range(2)]
+    batch = store.create_batch("acme", "docs", items)
+    assert store.count_redrive_positions(batch.id, [0, 1]) == {0: 1, 1: 1}
+    for qid, _ in items:
+        assert store.start_item(batch.id, qid)
+        store.finish_item(batch.id, qid, result=_result())
+    assert store.count_redrive_positions(batch.id, [0, 1]) == {0: 0, 1: 0}
+    assert store.erase_job("batch", "acme", batch.id).outcome is EraseOutcome.ERASED
+    assert store.count_redrive_positions(batch.id, [1]) == {1: 0}
+    assert store.count_redrive(batch.id) == 0
+    assert _named(store, job.id) == [ERASED_KEY + job.id]
+    assert _named(store, batch.id) == [ERASED_KEY + batch.id]
+
+
 def test_an_erased_batch_is_not_written_back_by_a_late_item_or_economy_step(
     store: JobStore,
 ) -> None:

@@ -255,7 +255,7 @@ class DeliveryRecords(_StoreCore):
     ) -> list[int]:
         """One :data:`~worker.queue.jobstore.scripts._COUNT_REDRIVES` call: the re-drives
         counted at ``key`` (a ``kind`` ``hash`` or ``string``) of each of ``positions``."""
-        keys = [key, REDRIVE_OUTAGES_KEY + job_id]
+        keys = [key, REDRIVE_OUTAGES_KEY + job_id, _job_record_key(job_id)]
         args = [str(self.result_ttl), kind, str(FREE_OUTAGE_REDRIVES), *map(str, positions)]
         counts = cast(list[int], self._count_redrives(keys=keys, args=args))
         return [int(count) for count in counts]

@@ -871,12 +871,30 @@ return {1, ARGV[4]}
 # KEYS: 1 the job's re-drive counts (a batch's: a hash, position -> count; a search's or an
 # ingest's: a string, its one position's), 2 its outage notes (a hash, position -> runs noted
 # and not yet re-driven nor come back, "<position>:freed" -> re-drives they made free,
-# "m:<task id>:<retry>" -> the positions a message's note covers). ARGV: 1 the TTL
-# (seconds), 2 'hash' or 'string' (KEYS[1]'s type), 3 the free re-drives a position may
-# have, 4... the positions. Returns each position's re-drives counted, in ARGV's order.
+# "m:<task id>:<retry>" -> the positions a message's note covers), 3 the job's record.
+# ARGV: 1 the TTL (seconds), 2 'hash' or 'string' (KEYS[1]'s type), 3 the free re-drives a
+# position may have, 4... the positions. Returns each position's re-drives counted, in
+# ARGV's order. Nothing is written for a job whose record is gone (erased, purged, expired)
+# or final, as for an outage's note (_NOTE_OUTAGE): its final move or erase deleted its
+# counts, and a sweep that found its work lost just before counted them back for the
+# retention; what is stored (0: nothing) is answered then.
 _COUNT_REDRIVES = """
 local hash = ARGV[2] == 'hash'
 local counts = {}
+local status = redis.call('HGET', KEYS[3], 'status')
+if redis.call('EXISTS', KEYS[3]) == 0 or redis.call('HEXISTS', KEYS[3], 'finished_at') == 1
+    or status == 'succeeded' or status == 'failed' or status == 'canceled' then
+  for i = 4, #ARGV do
+    local count
+    if hash then
+      count = redis.call('HGET', KEYS[1], ARGV[i])
+    else
+      count = redis.call('GET', KEYS[1])
+    end
+    counts[#counts + 1] = tonumber(count) or 0
+  end
+  return counts
+end
 for i = 4, #ARGV do
   local p = ARGV[i]
   local noted = tonumber(redis.call('HGET', KEYS[2], p)) or 0
