@@ -342,6 +342,17 @@ def _until(what: Callable[[], bool], timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+def _erased_with_a_refused_delete(
+    model: FakeAnthropic, client: AnthropicMessageBatches, store: JobStore
+) -> tuple[str, str]:
+    """An erased batch of one ended provider batch whose delete the provider will refuse
+    for the key (403): (the provider batch, the Sift batch)."""
+    provider_id = _made(client)
+    model.script_batch_calls("delete", [status(403)])
+    record = {"round": 1, "requests": 1, "created_at": 1.0, "ended_at": 2.0}
+    return provider_id, _erased_batch(store, {provider_id: record}, _erase_message(store))
+
+
 def test_a_delete_refused_for_its_key_is_asked_again_once_when_a_worker_starts(
     model: FakeAnthropic,
     client: AnthropicMessageBatches,
@@ -353,10 +364,7 @@ def test_a_delete_refused_for_its_key_is_asked_again_once_when_a_worker_starts(
     asking; the operator fixes the key and restarts the worker, which asks that delete again
     once as it starts, and it is deleted. Before, a refusal was final: the provider batch
     stayed there for its 29 days though the key now works."""
-    provider_id = _made(client)
-    model.script_batch_calls("delete", [status(403)])
-    record = {"round": 1, "requests": 1, "created_at": 1.0, "ended_at": 2.0}
-    batch_id = _erased_batch(store, {provider_id: record}, _erase_message(store))
+    provider_id, batch_id = _erased_with_a_refused_delete(model, client, store)
     env = _worker_env(redis_url, model)
     log = tmp_path / "refused.log"
     with celery_worker(tmp_path, env, "refused", concurrency=2):
@@ -381,10 +389,7 @@ def test_a_real_worker_s_chain_failed_by_redis_gives_its_lease_back(
     fails, acked, and gives the chain's lease back: no retry of it comes. Before, the lease
     stayed for three polls past the run (up to 32 min at the default cap), and a starting
     worker's task in that window left its work to it."""
-    provider_id = _made(client)
-    model.script_batch_calls("delete", [status(403)])
-    record = {"round": 1, "requests": 1, "created_at": 1.0, "ended_at": 2.0}
-    batch_id = _erased_batch(store, {provider_id: record}, _erase_message(store))
+    _, batch_id = _erased_with_a_refused_delete(model, client, store)
     store.redis.set(ECONOMY_DELETE_REFUSED_KEY + batch_id, "not a hash")
     log = tmp_path / "failed.log"
     with celery_worker(tmp_path, _worker_env(redis_url, model), "failed", concurrency=2):
