@@ -264,6 +264,14 @@ class Canceled(Exception):
     and no job ever shows it as an error."""
 
 
+class HandedBack(Exception):
+    """A batch item stopped before its model call because its worker is stopping (a
+    SIGTERM: a scale-down, a rolling restart): it was waiting for the rate budget (its
+    pacing, its reservation, given back) or had not sent its call yet. It goes back to its
+    chunk as handed back, for another worker, as an item not started does; nothing was sent,
+    so nothing is counted. Not a :class:`SiftError`: nothing failed."""
+
+
 class RunTakenOver(Exception):
     """A run of a search or a batch item whose claim another run took over while it waited
     for its CPU slot (past its lease): it stops there, before its retrieval and its model

@@ -41,10 +41,10 @@ from worker.adapters.rate_budget import (
     limits_from_headers,
 )
 from worker.contract import DocumentIn, SearchSpec
-from worker.core.pipeline import SearchPipeline
+from worker.core.pipeline import WAIT_CHECK_SECONDS, SearchPipeline
 from worker.core.ports import Recorder
 from worker.core.types import RerankPrompt, TokenUsage
-from worker.errors import AttemptOutcome, RerankAttemptError, RerankFailed
+from worker.errors import AttemptOutcome, HandedBack, RerankAttemptError, RerankFailed
 from worker.observability.metrics import PrometheusRecorder
 from worker.runtime.bootstrap import build_batch_client, build_pipeline, build_rate_budget
 from worker.runtime.inprocess import Runtime
@@ -442,6 +442,34 @@ def test_a_wait_that_fits_the_deadline_is_waited_then_the_model_is_called(
     assert clock.sleeps == [waited] and waited > 0  # waited out, then the model was called
 
 
+def test_a_batch_item_s_wait_for_its_reservation_ends_when_its_worker_stops(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    """A batch item's check (its worker stopping, here) is asked every second of its wait
+    for the budget, not only at its end: it stops there, sends nothing, and its reservation
+    goes back whole (the next request waits no longer than before). Slept in one piece, the
+    wait (30 s here, up to the deadline) held a stopping worker past its stop deadline."""
+    clock = FakeClock()
+    pipeline, budget = build(
+        fake, client, "fail_closed", RateLimit(rpm=2), RecordingRecorder(),
+        deadline=120.0, clock=clock, sleep=clock.sleep,
+    )  # fmt: skip
+    exhaust(budget)
+    before = request_wait(client, budget.key, rpm=2)(redis_now(client))
+
+    def stopping(billed: object) -> None:  # the worker's stop began during the first second
+        if clock.sleeps:
+            raise HandedBack("the worker is stopping")
+
+    spec = SearchSpec(index="docs", query="volcano ash", limit=5)
+    with pytest.raises(HandedBack):
+        pipeline.search(spec, "acme", stopping)
+    assert clock.sleeps == [WAIT_CHECK_SECONDS]
+    assert fake.requests() == []
+    after = request_wait(client, budget.key, rpm=2)(redis_now(client))
+    assert after <= before  # given back: a reservation held would add 30 s
+
+
 def test_the_wait_on_the_breaker_is_counted_in_the_budget_wait_metric(
     fake: fa.FakeAnthropic, client: redis.Redis
 ) -> None:
@@ -708,6 +736,34 @@ def test_a_batch_item_paces_itself_until_the_queue_fits_in_its_deadline(
     # the queue came to fit, and the reading now counts the item let start (a call a second)
     assert slept and budget.backlog() <= 1.0 + 1.0
     assert fake.requests() == []  # pacing calls no model
+
+
+def test_a_batch_item_pacing_itself_stops_when_its_worker_does(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    """Once its worker is stopping, a batch item waiting for the budget's queue to shorten
+    waits no more (:class:`HandedBack`) and is not counted as let start in the budget's
+    readings. It waited on, and held the worker's stop up to its deadline."""
+    settings = load_settings(
+        rerank_enabled=True, generation_model=f"anthropic:{MODEL}", search_deadline_seconds=3.0
+    )
+    now = [0.0]
+    budget = RedisRateBudget(client, MODEL, RateLimit(rpm=60), clock=lambda: now[0])
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:  # time goes by, the bucket does not refill
+        slept.append(seconds)
+        now[0] += seconds
+
+    pipeline = pacing_pipeline(settings, budget, sleep)
+    exhaust(budget)
+    for _ in range(5):  # a queue of 5 s, past a third of the 3 s deadline
+        assert budget.reserve(PROMPT, max_wait=60.0).admitted
+    with pytest.raises(HandedBack):
+        pipeline.pace(stopping=lambda: len(slept) >= 2)  # the stop begins in its second wait
+    assert len(slept) == 2
+    assert budget._pending == {}  # not let start: no process counts it in its queue
+    assert fake.requests() == []
 
 
 def test_the_batch_items_paced_on_one_reading_do_not_all_start(

@@ -940,7 +940,7 @@ class PacingRuntime(ScriptedRuntime):
         self.meanwhile = meanwhile
         self.paced = self.unpaced = 0
 
-    def pace(self) -> None:
+    def pace(self, stopping: Callable[[], bool] | None = None) -> None:
         self.paced += 1
         self.meanwhile()
 

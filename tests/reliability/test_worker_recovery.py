@@ -16,11 +16,14 @@ model's address, and no metrics port (several workers on one machine).
   its work taken back: every item is sent to the model exactly once;
 - SIGTERM (a rolling restart) hands the batch back at once: the stopping worker exits within
   3x the soft-shutdown window, leaves no item ``running``, and another worker finishes the
-  batch with every item sent to the model exactly once.
+  batch with every item sent to the model exactly once; under the shared rate budget too,
+  the items waiting for it going back at once (not held to the stop deadline, not counted
+  lost).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -51,8 +54,10 @@ from tests.reliability.support import (
     wait_for,
 )
 from tests.services import gateway, redis_server
+from worker.adapters.rate_budget import BURST_FRACTION
 from worker.constants import (
     BATCH_ITEMS_KEY,
+    BATCH_LOST_KEY,
     BATCH_QUEUE,
     DELIVERY_OWNERS_KEY,
     KOMBU_UNACKED_KEY,
@@ -295,6 +300,54 @@ def test_sigterm_hands_the_batch_back_and_another_worker_finishes_it_once(
         assert_batch_exactly_once(client, url, batch_id, TOTAL)
         calls = model_calls(model)
         assert calls == Counter({f"q{i:05d}": 1 for i in range(TOTAL)})
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_hands_back_the_items_waiting_for_the_rate_budget(
+    tmp_path: Path, shared: RecoveryStack
+) -> None:
+    """SIGTERM while the shared rate budget paces a batch (``SIFT_RATE_LIMITS`` at the
+    provider's limit, the fake metering the same): the items waiting for the budget (in
+    their pacing, for their reservation) stop waiting and go back with the chunk, so the
+    warm shutdown ends at once. Before, they waited on through the stop deadline, the
+    process exited as after a crash (``not stopped ... exiting now``), and their runs came
+    back through the dead-worker check: counted lost toward the poison limit, and those
+    already past their model call's reservation sent to the model twice."""
+    rpm = 30  # the budget's burst (90%) runs at once; the rest waits, a call every 2 s
+    total = 40
+    soft_shutdown = Settings(_env_file=None).worker_soft_shutdown_seconds  # type: ignore[call-arg]
+    with (
+        FakeAnthropic(delay=MODEL_SECONDS, rpm=rpm) as model,
+        recovery_stack(shared) as (url, env, client),
+    ):
+        env = {
+            **env,
+            "ANTHROPIC_BASE_URL": model.url,
+            "SIFT_RATE_LIMITS": json.dumps({"claude-haiku-4-5": {"rpm": rpm}}),
+        }
+        with worker(tmp_path / "w", env, "a") as worker_a:
+            ingest(client)
+            batch_id = submit(client, total)
+            burst = int(rpm * BURST_FRACTION)
+            wait_for(lambda: succeeded(client, batch_id) >= burst, "the budget's burst done")
+            waiting = batch_counts(client, batch_id)["counts"]
+            assert model.counts()["received"] < total and waiting["running"] > 0, waiting
+            worker_a.send_signal(signal.SIGTERM)
+            code = worker_a.wait(3 * soft_shutdown)
+        log = (tmp_path / "w" / "a.log").read_text(errors="replace")
+        assert "not stopped" not in log and code == 0, (code, log[-2000:])
+        statuses = Counter(item_statuses(url, batch_id).values())
+        assert set(statuses) <= {"queued", "succeeded"}, statuses  # none left running
+        assert statuses["queued"] > 0, statuses
+        with worker(tmp_path / "w", env, "b"):
+            wait_finished(client, url, batch_id, RECOVERY_WINDOW)
+        assert_batch_exactly_once(client, url, batch_id, total)
+        assert model_calls(model) == Counter({f"q{i:05d}": 1 for i in range(total)})
+        lost = redis.Redis.from_url(url, decode_responses=True)
+        try:  # a clean hand-back is no lost run: nothing counts toward the poison limit
+            assert lost.hgetall(BATCH_LOST_KEY + batch_id) == {}
+        finally:
+            lost.close()
 
 
 @pytest.mark.timeout(300)

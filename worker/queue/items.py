@@ -18,8 +18,12 @@ not canceled under a run in its model call or a request the provider processed).
 
 When the worker is told to stop (SIGTERM), :meth:`ItemQueue.hand_back` closes the queue:
 items not yet started go back to their chunks as ``handed_back``, and each chunk task hands
-its message back to the broker at once (``Reject(requeue=True)``) for another worker, while
-the items already running finish here.
+its message back to the broker at once (``Reject(requeue=True)``) for another worker. An item
+started but not yet at its model call (waiting for the rate budget, in its pacing or for its
+reservation; in its retrieval) reads :meth:`ItemQueue.stopping` and goes back the same way,
+queued again (:mod:`worker.queue.tasks`): under a budget paced to the provider's limit most of
+a batch waits there, and held the stop up to the stop deadline. Only the items already in
+their model call run to their end here.
 
     queue = ItemQueue(store, ThreadPoolExecutor(300))
     outcomes = queue.run(Chunk(batch_id, to_start, run, finished), pending_items)
@@ -43,10 +47,15 @@ from worker.queue.jobstore import BatchItem, ItemTransition, JobStore
 log = logging.getLogger(__name__)
 
 # What running one item came to: the result or the error to finish it with, "retry"
-# (requeued for the chunk's retry), the transition that canceled it (its batch was canceled
-# before its model call; already in the store), or None (nothing to finish now).
+# (requeued for the chunk's retry), "handed_back" (requeued: its worker is stopping, and it
+# had sent nothing), the transition that canceled it (its batch was canceled before its
+# model call; already in the store), or None (nothing to finish now).
 RunOutcome = (
-    tuple[SearchResult, None] | tuple[None, ErrorInfo] | ItemTransition | Literal["retry"] | None
+    tuple[SearchResult, None]
+    | tuple[None, ErrorInfo]
+    | ItemTransition
+    | Literal["retry", "handed_back"]
+    | None
 )
 
 
@@ -96,7 +105,8 @@ class Chunk:
         self.record(False, False)
 
     def hand_back(self) -> None:
-        """An item not started: the worker is stopping, the chunk's message goes back."""
+        """An item not run (not started, or stopped before its model call): the worker is
+        stopping, the chunk's message goes back."""
         with self._lock:
             self.handed_back += 1
         self.record(False, False)
@@ -230,6 +240,11 @@ class ItemQueue:
         while (entry := self._pop()) is not None:
             entry[0].hand_back()
 
+    def stopping(self) -> bool:
+        """Whether the worker is stopping (:meth:`hand_back` was called): an item started
+        and not yet at its model call goes back then, as one not started does."""
+        return self._closed
+
     def _take(self) -> Entry | None:
         entry = None if self._closed else self._pop()
         self._check_intake()
@@ -293,6 +308,10 @@ class ItemQueue:
                 if isinstance(outcome, ItemTransition):  # canceled; the store has it already
                     current = None
                     self._finished(chunk, item, outcome, None)
+                    begun = self._begin(taken)
+                elif outcome == "handed_back":  # requeued already: the worker is stopping
+                    current = None
+                    chunk.hand_back()
                     begun = self._begin(taken)
                 elif outcome is None or outcome == "retry":
                     chunk.record(False, outcome == "retry")

@@ -39,7 +39,7 @@ from worker.constants import (
 from worker.contract import ErrorInfo, SearchResult, Usage
 from worker.core.budget import MIN_ATTEMPT_SECONDS
 from worker.core.pipeline import load_run
-from worker.errors import Canceled, RunTakenOver, SiftError, TenantRemoved
+from worker.errors import Canceled, HandedBack, RunTakenOver, SiftError, TenantRemoved
 from worker.observability import metrics
 from worker.queue import lifecycle, liveness
 from worker.queue.base import SiftTask, count_completed, error_info
@@ -241,20 +241,28 @@ class _ModelCheck:
     each retry of it and after each wait for the rate budget. If the process's
     view of the batch's cancel mark (:class:`CancelMarks`, no round trip of its own most of
     the time) says canceled, one job-store transition (:meth:`JobStore.check_item`) cancels
-    the item, atomically, and the search stops (``stopped`` says how it ended)."""
+    the item, atomically, and the search stops (``stopped`` says how it ended). If instead
+    the worker is stopping (``stopping``) and the item has sent nothing, nor any run before
+    it, the search stops with :class:`HandedBack`: it goes back to its chunk. It is asked
+    before the first call too, and every second of a wait for the rate budget."""
 
     store: JobStore
     marks: CancelMarks
     batch_id: str
     query_id: str
+    stopping: Callable[[], bool] | None = None
     stopped: ItemTransition | None = None
     billed: Usage | None = None  # a dead run's kept answer (for other candidates): paid
 
     def __call__(self, billed: Usage | None) -> None:
         """``billed``: what this run's model calls were billed so far (the check runs again
         before each retry), on the canceled record with a dead run's kept answer's."""
-        if not self.marks.canceled(self.batch_id):
-            return
+        if self.marks.canceled(self.batch_id):
+            self._cancel(billed)
+        elif billed is None and self.billed is None and self.stopping and self.stopping():
+            raise HandedBack(f"item {self.query_id} stopped before its model call")
+
+    def _cancel(self, billed: Usage | None) -> None:
         usage = self.billed
         if billed is not None:
             usage = billed if usage is None else usage + billed
@@ -350,6 +358,7 @@ class _ChunkItems:
         self.deadline = task.context.settings.search_deadline_seconds
         self.runtime = task.context.runtime if not self.poisoned else None
         self.marks = task.context.cancel_marks
+        self.stopping = task.context.items.stopping
         self.admit = partial(task.context.admit, batch.tenant)
         # each running item's, until its finish (ClaimAnswers)
         self.held: dict[str, ClaimAnswers] = {}
@@ -373,7 +382,7 @@ class _ChunkItems:
             return None  # canceled meanwhile, or finished by another delivery
         waited = clock.now() - self.batch.created_at
         assert self.runtime is not None and item.spec is not None
-        checked = _ModelCheck(self.store, self.marks, self.batch_id, item.query_id)
+        checked = _ModelCheck(self.store, self.marks, self.batch_id, item.query_id, self.stopping)
         item_claim: RunClaim | None = None
         try:
             self.admit()  # a removed tenant's item ends here, unrun (either lane), unpaced
@@ -385,14 +394,16 @@ class _ChunkItems:
                 if self.economy:
                     return self._run_first_half(item, waited)
                 pace = getattr(self.runtime, "pace", None)  # a runtime factory's may have none
-                if pace is not None:
-                    pace()  # wait for the shared rate budget before the deadline starts
+                if pace is not None:  # wait for the shared rate budget before the deadline
+                    pace(self.stopping)  # starts (until the worker stops)
                 item_claim = self.store.claim_item(
                     self.batch_id, item.query_id, self.owner, lease_seconds=self.deadline
                 )
                 return self._run_standard(item, item_claim, checked, waited)
         except Canceled:  # canceled before its model call, or finished by another delivery
             return checked.stopped if checked.stopped and checked.stopped.applied else None
+        except HandedBack:  # the worker is stopping, and the item sent nothing: it goes back
+            return self._handed_back(item, item_claim)
         except RunTakenOver:  # while it waited for its CPU slot: the run holding it finishes
             log.info("batch %s item %s: another run took it over", self.batch_id, item.query_id)
             return None
@@ -492,6 +503,24 @@ class _ChunkItems:
             item.spec, self.batch.tenant, checked, spent=item_claim.spent, answers=answers
         )
         return _with_queue_wait(result, waited), None
+
+    def _handed_back(self, item: BatchItem, item_claim: RunClaim | None) -> RunOutcome:
+        """An item stopped before its model call because its worker is stopping: queued
+        again, its claim let go (the run ended cleanly: no run lost, none counted toward the
+        poison limit), for the worker that takes the chunk's message next. Its reservation
+        and its place in the budget's queue were given back where it stopped. Left waiting,
+        it held the stop up to its deadline, and the worker exited as after a crash."""
+        store, batch_id = self.store, self.batch_id
+        if item_claim is None or not item_claim.answer:  # one that kept an answer stays running
+            store.requeue_item(batch_id, item.query_id)
+        if item_claim is not None:
+            store.release_item(batch_id, item.query_id, item_claim)
+            answers = self.held.pop(item.query_id, None)
+            if answers is not None:  # its retrieval ran
+                answers.record()
+        log.info("batch %s item %s: the worker is stopping; handed back before its model call",
+                 batch_id, item.query_id)  # fmt: skip
+        return "handed_back"
 
     def _run_failed(
         self, item: BatchItem, item_claim: RunClaim | None, exc: Exception, waited: float

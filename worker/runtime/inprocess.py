@@ -72,9 +72,10 @@ class Runtime:
         int8 graph is made here), so the first query does not wait for it."""
         self.pipeline.embedder.embed(["warm up"])
 
-    def pace(self) -> None:
-        """A batch item waits here for the rate budget (:meth:`SearchPipeline.pace`)."""
-        self.pipeline.pace()
+    def pace(self, stopping: Callable[[], bool] | None = None) -> None:
+        """A batch item waits here for the rate budget, until ``stopping`` says the worker
+        is (:meth:`SearchPipeline.pace`)."""
+        self.pipeline.pace(stopping)
 
     def unpace(self) -> None:
         """A batch item paced that runs no search (:meth:`SearchPipeline.unpace`)."""

@@ -20,7 +20,7 @@ import logging
 
 from worker.core.pipeline._config import FailurePolicy, PipelineConfig
 from worker.core.pipeline._hits import shown_metadata, stage_seconds
-from worker.core.pipeline._model_calls import BeforeModel
+from worker.core.pipeline._model_calls import WAIT_CHECK_SECONDS, BeforeModel
 from worker.core.pipeline._prepared import (
     Prepared,
     as_stored,
@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 
 __all__ = [
+    "WAIT_CHECK_SECONDS",
     "BeforeModel",
     "FailurePolicy",
     "PipelineConfig",

@@ -21,7 +21,7 @@ from worker.core.pipeline._run import RerankRun, usage_by_type
 from worker.core.ports import RateBudget, Recorder, Reranker
 from worker.core.tokens import prompt_tokens
 from worker.core.types import BudgetGrant, RerankPrompt, RerankReply, TokenUsage
-from worker.errors import AttemptOutcome, DeadlineExceeded, RerankAttemptError
+from worker.errors import AttemptOutcome, DeadlineExceeded, HandedBack, RerankAttemptError
 
 # the attempts that end with no answer from the provider (nor a 5xx: the breaker's signal)
 NO_ANSWER = frozenset({AttemptOutcome.TIMEOUT, AttemptOutcome.CONNECTION})
@@ -37,8 +37,14 @@ def _transient_4xx(error: RerankAttemptError) -> bool:
 
 
 # A batch item's check before its model calls (``SearchPipeline.search``'s ``before_model``),
-# handed what the search was billed so far (None: nothing); raises Canceled to stop there.
+# handed what the search was billed so far (None: nothing); raises Canceled (or HandedBack)
+# to stop there.
 BeforeModel = Callable[[Usage | None], None]
+
+# How often a wait for the rate budget (a batch item's pacing, an attempt's reservation)
+# asks whether to go on waiting: a cancel, or the worker's stop, ends it this much later at
+# most, where it waited out its whole reservation (up to the search's deadline) first.
+WAIT_CHECK_SECONDS = 1.0
 
 
 def _billed(run: RerankRun) -> Usage | None:
@@ -86,16 +92,23 @@ class ModelCalls:
     sleep: Callable[[float], None]
     call_time: CallTime
 
-    def pace(self) -> None:
+    def pace(self, stopping: Callable[[], bool] | None = None) -> None:
         """Wait, before a search starts, until the rate budget's queue is short enough for it
         to be served well within its deadline (a third of it). For a batch item, which no
         caller waits on: without it, a batch larger than the budget serves in a deadline
         would run its surplus through as ``budget_exhausted`` fallbacks. Not for interactive
-        searches: their wait counts against their deadline."""
+        searches: their wait counts against their deadline.
+
+        ``stopping`` is asked before each wait: once it says so (the worker is stopping), the
+        item waits no more and :class:`~worker.errors.HandedBack` is raised, the item not
+        counted as started. It waited through the stop deadline, and the worker exited as
+        after a crash."""
         if self.rate_budget is None:
             return
         room = self.config.deadline_seconds / 3
         while (excess := self.rate_budget.backlog() - room) > 0:
+            if stopping is not None and stopping():
+                raise HandedBack("the worker is stopping: the item waits no more for the budget")
             # spread the re-checks: the queue frees at the limit's rate, not all at once
             self.sleep(min(excess, 1.0) + random.uniform(0.0, 0.5))
         self.rate_budget.started()  # counted by every process until its call is reserved
@@ -255,7 +268,7 @@ class ModelCalls:
             self._exhausted(run, deadline, shut + grant.wait, f"{what} in {grant.wait:.1f}s")
         waited = shut + grant.wait
         if grant.wait > 0:
-            self.sleep(grant.wait)
+            self._wait_reserved(grant, run, check)
             # a 429 another process met meanwhile pauses this call too: sent now, it would
             # meet the provider's 429 itself
             held = self.rate_budget.paused_for()
@@ -266,6 +279,24 @@ class ModelCalls:
                 self.sleep(held)
                 waited += held
         return grant, waited
+
+    def _wait_reserved(self, grant: BudgetGrant, run: RerankRun, check: BeforeModel | None) -> None:
+        """Wait out ``grant``'s wait, asking ``check`` every :data:`WAIT_CHECK_SECONDS` (the
+        caller asks it once more at the end): a cancel, or the worker's stop, that comes
+        meanwhile ends the wait then, the reservation given back whole (nothing was sent).
+        Slept in one piece, a stopping worker's items held its stop up to their deadline. A
+        search with no check (an interactive one) sleeps it in one piece."""
+        left = grant.wait
+        try:
+            while check is not None and left > WAIT_CHECK_SECONDS:
+                self.sleep(WAIT_CHECK_SECONDS)
+                left -= WAIT_CHECK_SECONDS
+                check(_billed(run))
+        except BaseException:
+            assert self.rate_budget is not None
+            self.rate_budget.settle(grant, TokenUsage(), sent=False, closes=False)
+            raise
+        self.sleep(left)
 
     def _exhausted(self, run: RerankRun, deadline: Deadline, waited: float, why: str) -> NoReturn:
         """The attempt cannot be sent within the search's deadline: ``budget_exhausted``,

@@ -36,7 +36,7 @@ from worker.core.ports import (
 )
 from worker.core.query import normalise_query
 from worker.core.types import Candidate, RerankPrompt, TokenUsage
-from worker.errors import AttemptOutcome, Canceled, RunTakenOver
+from worker.errors import AttemptOutcome, Canceled, HandedBack, RunTakenOver
 
 
 class SearchPipeline:
@@ -139,7 +139,8 @@ class SearchPipeline:
         none is needed), and again before each later attempt and after each wait for the
         rate budget (:meth:`ModelCalls.call`); it may raise :class:`~worker.errors.Canceled`
         to stop there (a batch item whose batch was canceled meanwhile, even while it waited
-        out a 429), and the search is then not counted as done.
+        out a 429), or :class:`~worker.errors.HandedBack` (its worker is stopping, and it has
+        sent nothing), and the search is then not counted as done.
         ``spent``: the deadline's seconds earlier runs of this search used (a retry runs in
         what is left of the one deadline). ``answers``: told when the run holds its CPU slot,
         where its deadline starts (:meth:`AnswerKeeper.slot_held`, which raises
@@ -191,8 +192,9 @@ class SearchPipeline:
                 result = self._finish(prepared, run, figures)
             outcome = "fallback" if result.rerank.fallback_reason else "ok"
             return result
-        except (Canceled, RunTakenOver):  # stopped before its model call (its batch was
-            # canceled, or its claim taken over while it waited for its slot): no search done
+        except (Canceled, HandedBack, RunTakenOver):  # stopped before its model call (its
+            # batch was canceled, its worker is stopping, or its claim taken over while it
+            # waited for its slot): no search done
             outcome = None
             raise
         finally:
@@ -206,10 +208,10 @@ class SearchPipeline:
             else:
                 _record(figures)
 
-    def pace(self) -> None:
+    def pace(self, stopping: Callable[[], bool] | None = None) -> None:
         """Wait, before a batch item's search starts, until the rate budget's queue is short
-        enough for it (:meth:`ModelCalls.pace`)."""
-        self._model_calls().pace()
+        enough for it, or until ``stopping`` says the worker is (:meth:`ModelCalls.pace`)."""
+        self._model_calls().pace(stopping)
 
     def unpace(self) -> None:
         """The batch item this thread paced runs no search (another run holds it): it counts
