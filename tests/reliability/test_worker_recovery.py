@@ -18,7 +18,7 @@ model's address, and no metrics port (several workers on one machine).
   3x the soft-shutdown window, leaves no item ``running``, and another worker finishes the
   batch with every item sent to the model exactly once; under the shared rate budget too,
   the items waiting for it going back at once (not held to the stop deadline, not counted
-  lost).
+  lost); a stop that model calls do hold to its deadline names them in its line.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ from worker.constants import (
     SEARCH_KEY,
 )
 from worker.processes.stack import child_env, worker_process
+from worker.processes.workers import STOP_DEADLINE_STATUS, STOP_GRACE_SECONDS
 from worker.settings import Settings
 
 pytestmark = pytest.mark.integration
@@ -348,6 +349,31 @@ def test_sigterm_hands_back_the_items_waiting_for_the_rate_budget(
             assert lost.hgetall(BATCH_LOST_KEY + batch_id) == {}
         finally:
             lost.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_stop_held_by_model_calls_names_the_items_at_its_deadline(
+    tmp_path: Path, shared: RecoveryStack
+) -> None:
+    """SIGTERM while a batch's two items are in their model calls and the model never
+    answers: the warm shutdown waits for them, and at the stop deadline the worker exits with
+    its own status and a line naming them. The line blamed Redis ("Redis not answering?"),
+    which answered all along, and the status was Celery's cold shutdown's."""
+    soft_shutdown = Settings(_env_file=None).worker_soft_shutdown_seconds  # type: ignore[call-arg]
+    with FakeAnthropic() as model, recovery_stack(shared) as (_, env, client):
+        env = {**env, "ANTHROPIC_BASE_URL": model.url}
+        with worker(tmp_path / "w", env, "a") as worker_a:
+            ingest(client)
+            model.configure(hold_unscripted=True)  # every call held, unanswered
+            submit(client, 2)
+            wait_for(lambda: model.counts()["received"] >= 2, "both items in their calls")
+            worker_a.send_signal(signal.SIGTERM)
+            code = worker_a.wait(soft_shutdown + STOP_GRACE_SECONDS + 30)
+            model.configure(hold_unscripted=False)
+        log = (tmp_path / "w" / "a.log").read_text(errors="replace")
+        gave_up = f"not stopped {soft_shutdown + STOP_GRACE_SECONDS:g} s after the stop signal"
+        assert gave_up + " (2 batch items still running); exiting now" in log, log[-2000:]
+        assert code == STOP_DEADLINE_STATUS
 
 
 @pytest.mark.timeout(300)

@@ -2,7 +2,8 @@
 the embedding graph (a loaded CI machine's worker, soft shutdown 1 s, was ended at 16 s,
 status 1, while its warm-up still had 30 s to finish the graph), and counts that wait only
 while a warm-up runs: without one, a stop on a Redis that never answers took 45 s at the
-defaults where the soft shutdown and the grace (25 s) would do."""
+defaults where the soft shutdown and the grace (25 s) would do. Its line says what held the
+process (batch items still running, or else Redis), and its exit status is its own."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from worker.constants import WARM_UP_STOP_WAIT_SECONDS
 from worker.processes import workers
 from worker.processes.workers import (
     KILL_MARGIN_SECONDS,
+    STOP_DEADLINE_STATUS,
     STOP_GRACE_SECONDS,
     exit_by_deadline,
     stop_deadline,
@@ -82,8 +84,25 @@ def test_a_stop_with_no_warm_up_ends_the_process_at_the_soft_shutdown_and_the_gr
     worker_shutting_down.send(sender=None, sig="SIGTERM", how="Warm", exitcode=0)  # again
     assert [seconds for seconds, _, _ in timers] == [DEFAULT_SOFT + STOP_GRACE_SECONDS]
     _fire(timers[0])
-    assert exits == [1]
-    assert f"not stopped {DEFAULT_SOFT + STOP_GRACE_SECONDS:g} s after" in capsys.readouterr().err
+    assert exits == [STOP_DEADLINE_STATUS]
+    gave_up = f"not stopped {DEFAULT_SOFT + STOP_GRACE_SECONDS:g} s after the stop signal"
+    assert gave_up + " (Redis not answering?); exiting now" in capsys.readouterr().err
+
+
+def test_a_stop_held_by_batch_items_still_running_says_so(
+    timers: list[Timer], exits: list[int], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Items still in their model calls at the deadline are named, not Redis: the line
+    blamed Redis whatever held the process."""
+    running = [3]
+    exit_by_deadline(Settings(), lambda: False, lambda: running[0])
+    worker_shutting_down.send(sender=None, sig="SIGTERM", how="Warm", exitcode=0)
+    running[0] = 2  # asked at the deadline, not at the stop
+    _fire(timers[0])
+    assert exits == [STOP_DEADLINE_STATUS]
+    err = capsys.readouterr().err
+    assert "after the stop signal (2 batch items still running); exiting now" in err, err
+    assert "Redis" not in err
 
 
 def test_a_warm_up_running_at_the_deadline_gets_its_wait(
@@ -102,6 +121,6 @@ def test_a_warm_up_running_at_the_deadline_gets_its_wait(
     assert deadline == longest
     assert 0 < seconds <= longest  # what is left of it
     _fire(timers[1])  # the warm-up still running: its wait is over all the same
-    assert exits == [1]
+    assert exits == [STOP_DEADLINE_STATUS]
     assert len(timers) == 2
     assert f"not stopped {longest:g} s after" in capsys.readouterr().err

@@ -135,6 +135,7 @@ def worker(
 ) -> None:
     """Run Celery workers, for deployment: one process per core by default, each with its
     threads pool, under one process that restarts any that exits and serves their metrics."""
+    from worker.queue.base import items_running
     from worker.queue.celery_app import create_celery_app, warming_up
 
     overrides: dict[str, Any] = {}
@@ -172,7 +173,8 @@ def worker(
         follow_supervisor(supervised_by)
     else:
         _single_process_metrics(settings)
-    exit_by_deadline(settings, warming_up)  # a stop ends even on a Redis that never answers
+    # a stop ends even on a Redis that never answers, or under items that do not end
+    exit_by_deadline(settings, warming_up, items_running)
     celery = create_celery_app(settings)
     celery.worker_main(
         ["worker", "-n", f"{name}@%h", "-Q", queues, "--loglevel", settings.log_level,

@@ -60,6 +60,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 STOP_GRACE_SECONDS = 15.0
 # How much longer the supervisor waits for a process before it SIGKILLs it
 KILL_MARGIN_SECONDS = 5.0
+# The exit status of a worker process that ended at its stop deadline (os._exit): its own,
+# so the supervisor tells it from Celery's cold shutdown (a second Ctrl-C), which exits 1
+STOP_DEADLINE_STATUS = 3
 
 
 def stop_deadline(settings: Settings, *, warming_up: bool) -> float:
@@ -80,10 +83,14 @@ def supervisor_stop_deadline(settings: Settings) -> float:
     return stop_deadline(settings, warming_up=True) + KILL_MARGIN_SECONDS
 
 
-def exit_by_deadline(settings: Settings, warming_up: Callable[[], bool]) -> None:
+def exit_by_deadline(
+    settings: Settings, warming_up: Callable[[], bool], running: Callable[[], int] = lambda: 0
+) -> None:
     """In a Celery worker process: once a stop begins (Celery's ``worker_shutting_down``,
     sent from its signal handler), end the process :func:`stop_deadline` later if it is still
-    there (``os._exit``, from a daemon timer: the main thread may be blocked on a socket).
+    there (``os._exit``, from a daemon timer: the main thread may be blocked on a socket),
+    with a line saying what held it (:func:`held_by`: the batch items still ``running()``,
+    or else, most likely, Redis).
 
     The timer is set for the deadline without a warm-up; when it fires, a warm-up still
     running (``warming_up()``) moves it to the one with. Asked then, not at the stop, a
@@ -98,9 +105,9 @@ def exit_by_deadline(settings: Settings, warming_up: Callable[[], bool]) -> None
         if seconds < longest and warming_up():
             _daemon_timer(longest - (time.monotonic() - stopped_at), give_up, stopped_at, longest)
             return
-        print(f"sift worker: not stopped {seconds:g} s after the stop signal (Redis not "
-              "answering?); exiting now", file=sys.stderr, flush=True)  # fmt: skip
-        os._exit(1)
+        print(f"sift worker: not stopped {seconds:g} s after the stop signal "
+              f"({held_by(running())}); exiting now", file=sys.stderr, flush=True)  # fmt: skip
+        os._exit(STOP_DEADLINE_STATUS)
 
     def arm(**_: object) -> None:
         if not armed.is_set():  # a second signal keeps the first deadline
@@ -109,6 +116,19 @@ def exit_by_deadline(settings: Settings, warming_up: Callable[[], bool]) -> None
             _daemon_timer(seconds, give_up, time.monotonic(), seconds)
 
     worker_shutting_down.connect(arm, weak=False, dispatch_uid="sift-stop-deadline")
+
+
+def held_by(items: int) -> str:
+    """What a worker process still there at its stop deadline was held by: its batch items
+    still running (their model calls), or, with none, most likely a Redis that never answers.
+    It blamed Redis even when the items held it.
+
+    >>> held_by(0), held_by(1), held_by(3)
+    ('Redis not answering?', '1 batch item still running', '3 batch items still running')
+    """
+    if items == 0:
+        return "Redis not answering?"
+    return f"{items} batch item{'s' if items != 1 else ''} still running"
 
 
 def _daemon_timer(seconds: float, call: Callable[[float, float], None], *args: float) -> None:
@@ -222,10 +242,28 @@ def run_workers(settings: Settings, count: int, name: str, child_args: Sequence[
         _kill_left(services, supervisor_stop_deadline(settings))
         for service in services:
             _dead(service)
+        cut = _cut_short(services)
+        if cut:
+            _say(f"every worker process stopped, {cut} of them at the stop deadline (what "
+                 "they held comes back as a killed worker's does)")  # fmt: skip
+            raise SystemExit(STOP_DEADLINE_STATUS)
         _say("every worker process stopped")
     finally:
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)
+
+
+def _cut_short(services: Sequence[Service]) -> int:
+    """How many of the stopped ``services`` did not end their warm shutdown: exited at their
+    stop deadline (:data:`STOP_DEADLINE_STATUS`) or SIGKILLed past it. Each gets a line; the
+    supervisor said ``every worker process stopped`` and exited 0, as after a clean stop."""
+    cut = 0
+    for service in services:
+        code = service.proc.returncode if service.proc is not None else None
+        if code in (STOP_DEADLINE_STATUS, -signal.SIGKILL):
+            cut += 1
+            _say(f"{service.name} did not finish its warm shutdown (exit status {code})")
+    return cut
 
 
 def _next_signal(signals: queue.SimpleQueue[int], done: Callable[[], bool]) -> int | None:

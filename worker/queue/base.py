@@ -266,6 +266,12 @@ def hand_back_items() -> None:
         context._items.hand_back()
 
 
+def items_running() -> int:
+    """How many batch items this process is running now (:meth:`ItemQueue.running`)."""
+    context = _context
+    return context._items.running() if context is not None and context._items is not None else 0
+
+
 def set_context(context: WorkerContext | None) -> None:
     """Replace the process's context (tests)."""
     global _context

@@ -200,6 +200,8 @@ class ItemQueue:
         self._high = max(2, high)
         self._paused = False
         self._intake_lock = threading.Lock()
+        self._running = 0  # items in ``chunk.run`` now
+        self._running_lock = threading.Lock()
 
     def _check_intake(self) -> None:
         """Pause the intake at ``high`` items waiting, resume it at half that."""
@@ -239,6 +241,15 @@ class ItemQueue:
         self._closed = True
         while (entry := self._pop()) is not None:
             entry[0].hand_back()
+
+    def running(self) -> int:
+        """How many items are in their run now: at a stop, those in their model call (the
+        others go back), which the stop waits for; the stop deadline's line names them."""
+        return self._running
+
+    def _count_running(self, change: int) -> None:
+        with self._running_lock:
+            self._running += change
 
     def stopping(self) -> bool:
         """Whether the worker is stopping (:meth:`hand_back` was called): an item started
@@ -302,8 +313,12 @@ class ItemQueue:
                 if begun is not None and begun.canceled:
                     outcome = begun  # its batch was canceled: canceled, not started
                 else:
-                    with job_context(f"{chunk.batch_id}/{item.query_id}"):
-                        outcome = chunk.run(item, begun is not None and begun.started)
+                    self._count_running(1)
+                    try:
+                        with job_context(f"{chunk.batch_id}/{item.query_id}"):
+                            outcome = chunk.run(item, begun is not None and begun.started)
+                    finally:
+                        self._count_running(-1)
                 taken = self._take()
                 if isinstance(outcome, ItemTransition):  # canceled; the store has it already
                     current = None
