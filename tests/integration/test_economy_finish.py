@@ -9,6 +9,7 @@ import json
 import math
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -302,3 +303,46 @@ def test_an_item_prepared_before_an_upgrade_names_the_policy_of_the_prompt_it_wa
     assert payload["trace"]["policy"] == expected
     grown = {policy: _outcomes(policy) - seen for policy, seen in before.items()}
     assert grown == {policy: float(policy == expected) for policy in grown}, grown
+
+
+def test_items_never_sent_end_in_the_fused_order_under_fail_open_on_a_worker_without_the_model(
+    context: WorkerContext, model: FakeAnthropic, backend: Counted, workers: None
+) -> None:
+    """Items never sent, their economy deadline past on a worker with no generation model
+    (none left in the pool: rerank turned off for good), end as the standard lane answers a
+    rerank asked of such a worker: under ``fail_open``, ``succeeded`` in the fused order,
+    ``fallback_reason: "error:no_generation_model"``, nothing billed; an item whose
+    candidate was deleted meanwhile shows it in no hit. (``fail_closed``, the default, is
+    driven over a real stack in ``tests/reliability/test_economy_no_model.py``.)"""
+    batch, qids = _prepared(context, 3)
+    with_model = context.runtime.economy
+    open_policy = replace(with_model.config, failure_policy="fail_open")
+    pipeline = with_model.variant(config=open_policy, recorder=with_model.recorder)
+    pipeline.reranker = None
+    fused = [
+        [c.document.id for c in load_prepared(pipeline, json.loads(str(raw))).candidates]
+        for raw in context.store.economy_get(batch.id, ECONOMY_PREPARED_KEY, qids)
+    ]
+    deleted = fused[0][0]
+    assert backend.inner.delete_documents("docs", "acme", [deleted]) == 1
+    without_model = WorkerContext(
+        settings=context.settings,
+        store=context.store,
+        limiter=ProviderLimiter(4),
+        _runtime=SimpleNamespace(economy=pipeline),  # type: ignore[arg-type]
+        _batches=None,
+    )
+    task = _Task(without_model, "submit")
+    finish.end_without_model(task, batch, qids)  # type: ignore[arg-type]
+    results = context.store.batch_results(batch.id, 0, 3)
+    assert [r.status for r in results] == ["succeeded"] * 3, results
+    for outcome, ids in zip(results, fused, strict=True):
+        result = json.loads(str(outcome.payload))["result"]
+        rerank = result["rerank"]
+        assert rerank["applied"] is False, rerank
+        assert rerank["fallback_reason"] == "error:no_generation_model", rerank
+        live = [i for i in ids if i != deleted]
+        assert [h["id"] for h in result["hits"]] == live[:3], result["hits"]
+        assert result["usage"]["requests"] == 0, result["usage"]
+    assert ("batch.completed", {"id": batch.id, "status": "succeeded"}) in task.sent
+    assert model.batches() == []

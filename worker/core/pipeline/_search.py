@@ -274,11 +274,45 @@ class SearchPipeline:
         the caller to record once the result is saved (a finish run again after a crash
         before the save then counts them once).
         """
+        return self._second_half(prepared, partial(self._finish, prepared, run), later)
+
+    def finish_without_model(
+        self, prepared: Prepared, *, later: list[Callable[[], None]] | None = None
+    ) -> SearchResult:
+        """The second half of a prepared search no model can answer here: an economy item
+        never sent, its deadline past, on a worker with no generation model (none of the
+        pool's may have one any more). The failure policy, as the standard lane answers a
+        rerank asked of such a worker (:func:`no_model_result`), on the candidates still
+        stored; nothing was called, so nothing is billed. Raises RerankFailed under
+        ``fail_closed``; ``later`` as :meth:`finish` takes it."""
+        gone = prepared.gone
+        live = [c for c in prepared.candidates if c.document.id not in gone]
+
+        def answer(figures: list[Callable[[], None]]) -> SearchResult:
+            return no_model_result(
+                prepared.spec,
+                live,
+                prepared.trace,
+                figures,
+                recorder=self.recorder,
+                failure_policy=self.config.failure_policy,
+            )
+
+        return self._second_half(prepared, answer, later)
+
+    def _second_half(
+        self,
+        prepared: Prepared,
+        answer: Callable[[list[Callable[[], None]]], SearchResult],
+        later: list[Callable[[], None]] | None,
+    ) -> SearchResult:
+        """The result ``answer`` makes of ``prepared`` (appending its figures to the list it
+        is given), with the search counted done, ``error`` if it raised."""
         started = self._clock()
         outcome = "error"
         figures: list[Callable[[], None]] = []
         try:
-            result = self._finish(prepared, run, figures)
+            result = answer(figures)
             outcome = "fallback" if result.rerank.fallback_reason else "ok"
             return result
         finally:

@@ -191,3 +191,40 @@ def fail_items(
         stored = as_stored_now(pipeline.backend, batch.tenant, [item for _, item, _, _ in ending])
         for (qid, prepared, run, counted), now in zip(ending, stored, strict=True):
             finish_item(task, batch, qid, prepared, run, now=now, figures=[counted], must_end=True)
+
+
+def end_without_model(task: SiftTask, batch: BatchJob, query_ids: Sequence[str]) -> None:
+    """End these running items, never sent to the provider, on a worker with no generation
+    model once the economy deadline has passed: the failure policy, as the standard lane
+    answers a rerank asked of such a worker (:meth:`SearchPipeline.finish_without_model`:
+    ``rerank_failed`` naming ``no_generation_model`` under ``fail_closed``, the fused order
+    under ``fail_open``), on their candidates as stored now (:func:`as_stored_now`: an index
+    gone ends its items ``index_not_found``, a backend failing, with its error, as
+    :func:`fail_items` ends them past the deadline). :func:`fail_items` cannot: it prices a
+    failed call, which needs the model, and no call was made. Without this, a pool with no
+    worker of the model left kept such a batch ``running`` for ever, its submission asked
+    again at the poll's cadence."""
+    pipeline = economy_pipeline(task)
+    items = running_items(task, batch, query_ids)
+    while page := list(islice(items, PAGE)):
+        prepared = [load_prepared(pipeline, data) for _, data, _ in page]
+        stored = as_stored_now(pipeline.backend, batch.tenant, prepared)
+        for (qid, _, record), item, now in zip(page, prepared, stored, strict=True):
+            later: list[Callable[[], None]] = []
+            result, error = None, None
+            if isinstance(now, Prepared):
+                try:
+                    result = pipeline.finish_without_model(now, later=later)
+                except RerankFailed as exc:
+                    error = error_info(exc)
+            else:
+                error = error_info(now)
+                later.append(partial(pipeline.recorder.search_done, item.spec.mode, "error",
+                                     item.seconds))  # fmt: skip
+            if error is not None and record["attempts"]:  # what earlier rounds were billed
+                error = error.model_copy(update={"usage": rerank_run(record).job_usage()})
+            transition = task.context.store.finish_item(batch.id, qid, result=result, error=error)
+            if count_completed("batch_item", transition.applied, error):
+                for figure in later:
+                    figure()
+            _item_done(task, batch, transition)

@@ -23,7 +23,7 @@ from worker.errors import AttemptOutcome, RerankAttemptError, TenantRemoved
 from worker.queue.base import SiftTask
 from worker.queue.economy.cancel import cancel_quietly
 from worker.queue.economy.doubts import settle_doubts
-from worker.queue.economy.finish import cancel_item, fail_items, fail_unsent
+from worker.queue.economy.finish import cancel_item, end_without_model, fail_items, fail_unsent
 from worker.queue.economy.ids import SUBMISSION_CHARS, chunk_requests, custom_id, new_submission
 from worker.queue.economy.leases import WATCH_MARGIN_SECONDS, expect, leased, upload_guard
 from worker.queue.economy.records import (
@@ -34,6 +34,7 @@ from worker.queue.economy.records import (
     save_runs,
 )
 from worker.queue.economy.watch import (
+    NO_CLIENT,
     SUBMIT_CLAIM,
     batches_client,
     message_taken,
@@ -271,6 +272,8 @@ def submit(
         return []
     if not query_ids:  # every item ended without a prompt: nothing to send, no client needed
         return []
+    if _ended_without_model(task, batch, query_ids, expected):
+        return []
     client = batches_client(task, batch.id, watch)
     # still this run's to do (a run whose lease was taken over stops before it settles or
     # sends anything: the new holder does; after a results page this is the mapping's mark)
@@ -293,6 +296,29 @@ def submit(
         for provider_id in created:  # canceled while we were sending: cancel what we sent
             cancel_quietly(task.context.store, batch.id, client, provider_id)
     return created
+
+
+def _ended_without_model(
+    task: SiftTask, batch: BatchJob, query_ids: Sequence[str], expected: str | None
+) -> bool:
+    """On a worker with no generation model, past the economy deadline: end the items to
+    send that were never sent (:func:`end_without_model`), as the deadline ends them on a
+    worker with the model; True if none is left to send. One whose create is in doubt may
+    be in a provider batch: it waits, as the items sent do, for a worker with the model to
+    settle it (:func:`batches_client` asks again). Before, with no worker of the model left
+    in the pool, the submission was asked again for ever, its batch ``running``."""
+    deadline = batch.created_at + task.context.settings.economy_deadline_seconds
+    if task.context.batches is not None or clock.now() < deadline:
+        return False
+    to_send = [(qid, run) for qid, _, run in running_items(task, batch, query_ids)
+               if run["provider"] == expected]  # fmt: skip
+    never_sent = [qid for qid, run in to_send if not run.get("pending")]
+    if never_sent:
+        log.warning("batch %s: past its economy deadline with %s on this worker; %d items "
+                    "never sent end by the failure policy", batch.id, NO_CLIENT,
+                    len(never_sent))  # fmt: skip
+        end_without_model(task, batch, never_sent)
+    return len(never_sent) == len(to_send)
 
 
 def _unsent(task: SiftTask, batch: BatchJob, query_ids: Sequence[str]) -> list[str]:
