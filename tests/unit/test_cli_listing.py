@@ -1,5 +1,6 @@
-"""The listing commands' paging: short filtered pages are followed by their token up to the
-limit, and ``--limit`` is sent as the page size (at most the gateway's maximum)."""
+"""The listing commands' paging: short filtered pages are followed by their token past the
+limit, and ``--limit`` + 1 is sent as the page size (at most the gateway's maximum), the one
+more telling whether more follow."""
 
 from __future__ import annotations
 
@@ -56,10 +57,30 @@ def test_short_filtered_pages_are_followed_to_the_limit() -> None:
     jobs, _ = fetch_jobs(gateway_of(pages, seen), "/v1/batches", "batches", "failed", 2)
     assert [j["id"] for j in jobs] == ["b1", "b2"]
     assert seen == [
-        {"page_size": "2", "status": "failed"},
-        {"page_size": "2", "status": "failed", "page_token": "t1"},
-        {"page_size": "2", "status": "failed", "page_token": "t2"},
+        {"page_size": "3", "status": "failed"},
+        {"page_size": "3", "status": "failed", "page_token": "t1"},
+        {"page_size": "3", "status": "failed", "page_token": "t2"},
     ]
+
+
+def test_more_is_said_only_when_a_job_past_the_limit_was_seen() -> None:
+    """A filtered page that fills up carries a token though nothing may match past it (the
+    gateway does not read ahead): "more follow" must come from a job seen past the limit,
+    not from the token. Before, exactly ``limit`` matches said "more follow", and the token
+    led to an empty last page."""
+    pages = [
+        {"batches": [{"id": "b1"}, {"id": "b2"}], "next_page_token": "t1"},
+        {"batches": [], "next_page_token": None},
+    ]
+    seen: list[dict[str, str]] = []
+    jobs, more = fetch_jobs(gateway_of(pages, seen), "/v1/batches", "batches", "canceled", 2)
+    assert ([j["id"] for j in jobs], more) == (["b1", "b2"], False)
+    pages = [
+        {"batches": [{"id": "b1"}, {"id": "b2"}], "next_page_token": "t1"},
+        {"batches": [{"id": "b3"}], "next_page_token": None},
+    ]
+    jobs, more = fetch_jobs(gateway_of(pages, []), "/v1/batches", "batches", "canceled", 2)
+    assert ([j["id"] for j in jobs], more) == (["b1", "b2"], True)
 
 
 def test_the_list_ends_at_a_null_token_and_the_page_size_is_capped() -> None:

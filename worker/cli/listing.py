@@ -41,9 +41,11 @@ def fetch_jobs(
 ) -> tuple[list[Any], bool]:
     """Up to ``limit`` jobs from a list route, newest first, page after page: a filtered
     page can be short (the gateway bounds each request's scan), so it goes on by the token.
-    Answers them and whether more are left (the last page read has a ``next_page_token``,
-    or held more than ``limit``): the lists never said so, and looked whole."""
-    params: dict[str, Any] = {"page_size": min(limit, MAX_PAGE_SIZE)}
+    Answers them and whether more are left: one more than ``limit`` is asked for, and "more"
+    is a job seen past the limit (or a scan cut at :data:`MAX_PAGES` with a token left), not
+    a token alone: a filtered page that fills up carries one though nothing may match past
+    it, and exactly ``limit`` matches said "more follow" before an empty last page."""
+    params: dict[str, Any] = {"page_size": min(limit + 1, MAX_PAGE_SIZE)}
     if status is not None:
         params["status"] = status
     jobs: list[Any] = []
@@ -51,9 +53,9 @@ def fetch_jobs(
     for page in islice(client.pages(path, params, key), MAX_PAGES):
         jobs.extend(page[key])
         left = bool(page.get("next_page_token"))
-        if len(jobs) >= limit:
+        if len(jobs) > limit:
             break
-    return jobs[:limit], left or len(jobs) > limit
+    return jobs[:limit], len(jobs) > limit or left
 
 
 def _status(value: Any) -> str:
