@@ -178,7 +178,8 @@ INDEX_CHANGE_GRACE_SECONDS = 3.0
 # index reads one gateway process waits on Redis for at once (a BLPOP slice each): half its
 # asyncio client's 128 connections, so reads no worker answers leave searches the rest
 INDEX_REPLY_WAITS = 64
-BATCH_STAGING_TTL_SECONDS = 3600  # a batch's items written before its record, until committed
+# a batch's items, or an ingest's documents, written before its record, until committed
+BATCH_STAGING_TTL_SECONDS = 3600
 BATCH_STAGE_SLICE = 1_000  # a batch's items per Redis command (Redis serves others between)
 # a tenant's job index keeps its members this many retention periods (a record lives one
 # from its last write); reads drop the members whose record has expired before that

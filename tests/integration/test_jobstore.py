@@ -27,6 +27,7 @@ from worker.constants import (
     IDEMPOTENCY_KEY,
     IDEMPOTENCY_PENDING_TTL_SECONDS,
     IDEMPOTENCY_TTL_SECONDS,
+    INGEST_DOCS_KEY,
     SEARCH_KEY,
     STATS_KEY,
     STATS_UNTRACKED_KEY,
@@ -804,6 +805,90 @@ def test_an_ingest_is_dated_at_its_commit_not_before_its_write_version(
     assert other is not None and slow.created_at >= other.created_at
     stored = store.get_ingest(slow.id)
     assert stored is not None and stored.created_at == slow.created_at
+
+
+def test_an_ingest_is_dated_after_its_documents_reach_redis(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A big ingest's documents (up to 32 MB) took tens of milliseconds on the wire inside
+    its dated MULTI: a job committed while they travelled was dated after it yet was in the
+    index first, so a client that read page 1 then met the big ingest on page 2, below what
+    it had read. Here another ingest commits while the documents are being sent."""
+    from redis.connection import Connection
+
+    marker = "big-ingest-" + "x" * 16
+    send = Connection.send_packed_command
+    made: list[str] = []
+
+    def sending(self: Connection, command: Any, check_health: bool = True) -> None:
+        parts = command if isinstance(command, list) else [command]
+        if not made and any(marker.encode() in bytes(p) for p in parts):
+            made.append(store.create_ingest("acme", "docs", [DocumentIn(id="s", text="t")]).id)
+        send(self, command, check_health)
+
+    monkeypatch.setattr(Connection, "send_packed_command", sending)
+    big = store.create_ingest("acme", "docs", [DocumentIn(id="b", text=marker * 100_000)])
+    monkeypatch.undo()
+    other = store.get_ingest(made[0])
+    assert other is not None and big.created_at >= other.created_at
+    listed = store.redis.zrange(job_index_key("ingest", "acme"), 0, -1)
+    assert listed == [other.id, big.id]  # oldest first: the big one is the newest
+    stored = store.get_ingest(big.id)
+    assert stored is not None and stored.created_at == big.created_at
+
+
+def test_an_ingest_s_documents_wait_for_its_commit_with_a_short_ttl(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The documents are written before the record: a gateway that dies between the two
+    leaves no job, no index entry, no message, and its documents for the staging TTL only;
+    once committed they are kept for the ingest task."""
+
+    def dead(*args: Any, **kwargs: Any) -> Any:
+        raise SystemExit("the gateway died before its commit")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(store.redis, "transaction", dead)
+        with pytest.raises(SystemExit):
+            store.create_ingest("acme", "docs", [DocumentIn(id="a", text="t")], enqueue=_msgs)
+    (staged,) = store.redis.keys(INGEST_DOCS_KEY + "*")
+    assert 0 < store.redis.ttl(staged) <= BATCH_STAGING_TTL_SECONDS
+    assert store.redis.keys("sift:ingest:*") == [] and store.redis.llen("q.work") == 0
+    assert store.redis.zcard(job_index_key("ingest", "acme")) == 0
+    job = store.create_ingest("acme", "docs", [DocumentIn(id="b", text="t")], enqueue=_msgs)
+    assert store.redis.ttl(INGEST_DOCS_KEY + job.id) > BATCH_STAGING_TTL_SECONDS
+    assert store.ingest_documents(job.id) == [DocumentIn(id="b", text="t")]
+
+
+def test_an_ingest_multi_whose_reply_was_lost_is_not_written_twice(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a batch's: the connection breaks after the commit's EXEC reached Redis, and the
+    retry under the WATCH finds the record, writing nothing more."""
+    from redis.client import Pipeline
+
+    real_parse = Pipeline.parse_response
+    broken = [False]
+
+    def parse_then_break(self: Pipeline, *args: object, **kwargs: object) -> object:
+        reply = real_parse(self, *args, **kwargs)
+        if isinstance(reply, list) and self.explicit_transaction and not broken[0]:
+            broken[0] = True  # EXEC's reply, read and thrown away
+            raise redis.ConnectionError("reply lost")
+        return reply
+
+    monkeypatch.setattr(Pipeline, "parse_response", parse_then_break)
+    job = store.create_ingest("acme", "docs", [DocumentIn(id="a", text="t")], enqueue=_msgs)
+    assert broken[0]
+    assert (
+        store.redis.llen("q.work") == 1 and store.redis.hget(STATS_UNTRACKED_KEY, "queued") == "1"
+    )
+    assert store.redis.zcard(job_index_key("ingest", "acme")) == 1
+    assert store.ingest_documents(job.id) == [DocumentIn(id="a", text="t")]
+
+
+def _msgs(job_id: str) -> list[tuple[str, str]]:
+    return [("q.work", "msg:" + job_id)]
 
 
 def test_idempotency_claims(store: JobStore) -> None:

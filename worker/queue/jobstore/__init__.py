@@ -60,8 +60,9 @@ its count in ``sift:stats:jobs`` for good); an Idempotency-Key is
 remembered ``IDEMPOTENCY_TTL_SECONDS`` (24 hours) from the write that creates its job, and
 again from each request that finds it bound (a
 claim that names no job yet, ``IDEMPOTENCY_PENDING_TTL_SECONDS``); delivery counters and
-pending ingest documents live 24 hours; a batch's items, written before its record, live
-``BATCH_STAGING_TTL_SECONDS`` until the record's commit keeps them (no TTL) with it. A job
+pending ingest documents live 24 hours from their job's commit; a batch's items, and an
+ingest's documents, written before its record, live ``BATCH_STAGING_TTL_SECONDS`` until the
+record's commit keeps them (a batch's with no TTL) with it. A job
 leaves ``sift:active`` when it becomes final, or when the re-drive finds its record gone (an
 older release's, which expired).
 

@@ -10,6 +10,7 @@ import redis
 
 from worker.constants import (
     ACTIVE_JOBS_KEY,
+    BATCH_STAGING_TTL_SECONDS,
     INGEST_DOCS_KEY,
     INGEST_DOCS_TTL_SECONDS,
     INGEST_ID_PREFIX,
@@ -85,7 +86,12 @@ class IngestRecords(_StoreCore):
     ) -> IngestJob:
         """An ingest-kind job (an upsert, a delete or a drop) with its write version: the
         order in which writes were accepted, which the backend keeps per id, so the write
-        accepted last wins whichever worker runs it first (:mod:`worker.core.catalog`)."""
+        accepted last wins whichever worker runs it first (:mod:`worker.core.catalog`).
+
+        Its documents (up to 32 MB) go first, on their own (:meth:`_stage_documents`); the
+        commit is then a small MULTI, dated as it is sent. Dated before the documents went
+        over the wire (tens of milliseconds), a job committed meanwhile was dated after it
+        yet listed first, and a client paging through met the ingest on a page below."""
         job = IngestJob(
             id=_new_id(INGEST_ID_PREFIX),
             tenant=tenant,
@@ -97,6 +103,9 @@ class IngestRecords(_StoreCore):
             version=next_write_version(self.redis, tenant),
         )
         key = INGEST_KEY + job.id
+        docs = INGEST_DOCS_KEY + job.id
+        if payload is not None:
+            self._stage_documents(docs, payload)
 
         def commit(pipe: redis.client.Pipeline) -> None:
             # under a WATCH of the record: a MULTI whose reply was lost with the connection
@@ -104,12 +113,16 @@ class IngestRecords(_StoreCore):
             # (sent again blindly, or answered 503, it made a second job: the client retried)
             if pipe.exists(key):
                 return
+            if payload is not None and not pipe.exists(docs):  # Redis came back without them
+                pipe.unwatch()
+                raise redis.ConnectionError(f"ingest {job.id}: its documents were lost")
             # dated at its commit, as a batch: newest first, an ingest committed after
-            # another is listed above it (its version was taken before, a round trip)
+            # another is listed above it (its version was taken and its documents sent
+            # before, a round trip each)
             job.created_at = _now()
             pipe.multi()
             if payload is not None:
-                pipe.set(INGEST_DOCS_KEY + job.id, payload, ex=INGEST_DOCS_TTL_SECONDS)
+                pipe.expire(docs, INGEST_DOCS_TTL_SECONDS)  # kept now for its ingest task
             pipe.hset(
                 key,
                 mapping={
@@ -131,6 +144,13 @@ class IngestRecords(_StoreCore):
 
         resending()(self.redis.transaction, commit, key)  # Redis away then: a few seconds
         return job
+
+    def _stage_documents(self, docs_key: str, payload: str) -> None:
+        """Write a new ingest's documents before its record, living
+        ``BATCH_STAGING_TTL_SECONDS`` until the commit keeps them: nothing reads them before
+        the record and its task message exist, and a gateway that dies in between leaves
+        them for an hour at most. Sent again whole after a broken connection (a ``SET``)."""
+        self.redis.set(docs_key, payload, ex=BATCH_STAGING_TTL_SECONDS)
 
     def get_ingest(self, job_id: str) -> IngestJob | None:
         return _ingest_of(job_id, cast(dict[str, str], self.redis.hgetall(INGEST_KEY + job_id)))
