@@ -261,16 +261,21 @@ def _not_found(index: str) -> ApiError:
 async def _read(
     request: Request, operation: str, tenant: str, index: str, doc_id: str, body: str = ""
 ) -> Any:
-    """Ask a worker for one index read; its ``found`` answer (None: the tenant has none)."""
+    """Ask a worker for one index read; its ``found`` answer (None: the tenant has none).
+
+    The read is sent ahead of every message waiting on the search queue (``send_next``):
+    behind them, FIFO, a backlog of searches longer than its wait made it ``503`` while every
+    worker was healthy. It carries ``start_by``, when its wait ends, on Redis's clock (which
+    the worker checks it with: this host's may be seconds off the worker's): a worker drops
+    a read or change it takes later, which no one waits for any more (it ran, answering no
+    one, and each retry of its client added another)."""
     store = job_store(request)
     key = store.new_reply_key()
-    args: list[Any] = [key, operation, tenant, index, doc_id] + ([body] if body else [])
+    start_by = await async_job_store(request).server_time() + INDEX_READ_TIMEOUT_SECONDS
+    args: list[Any] = [key, operation, tenant, index, doc_id, body, start_by]
     wait = INDEX_READ_TIMEOUT_SECONDS
     if operation == "update":  # started by then or never; answered within the grace after
-        # on Redis's clock, which the worker checks it with: this host's may be seconds off
-        # the worker's, and a change was then applied after its 503, or every one dropped
-        start_by = await async_job_store(request).server_time() + INDEX_READ_TIMEOUT_SECONDS
-        args.append(start_by)
+        # (a change applied after its 503, behind a newer one, would be lost)
         wait += INDEX_CHANGE_GRACE_SECONDS
         what = (
             f"index settings change within {wait:g} s (none started by "
@@ -278,7 +283,7 @@ async def _read(
         )
     else:
         what = f"index read within {wait:g} s"
-    await off_loop(task_sender(request).send, INDEX_READ_TASK, args, SEARCH_QUEUE)
+    await off_loop(task_sender(request).send_next, INDEX_READ_TASK, args, SEARCH_QUEUE)
     # on the event loop: a wait no worker answers holds no thread /readyz or a search needs
     raw = await async_job_store(request).await_reply(key, wait)
     if raw is None:

@@ -95,6 +95,11 @@ class OutboxSender:
     def send(self, name: str, args: list[Any], queue: str) -> None:
         self.store.push_messages(self.messages([(name, args, queue)]))
 
+    def send_next(self, name: str, args: list[Any], queue: str) -> None:
+        """Send one task ahead of every message waiting in its queue: the next a worker
+        takes from it (an index read, which its caller waits for)."""
+        self.store.push_messages(self.messages([(name, args, queue)]), next_taken=True)
+
     def send_many(self, messages: Sequence[TaskMessage]) -> None:
         self.store.push_messages(self.messages(messages))
 

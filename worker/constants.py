@@ -270,6 +270,8 @@ METRIC_PROVIDER_DELETES = "sift_provider_batch_deletes_total"
 # ... and those whose delete (or a candidate's read) the provider refused, still kept aside
 METRIC_PROVIDER_DELETES_REFUSED = "sift_provider_batch_deletes_refused"
 METRIC_WEBHOOK_DEFERRALS = "sift_webhook_deferrals_total"  # put off: slots (or a share) full
+# index reads and settings changes a worker took after their gateway gave up, dropped unrun
+METRIC_INDEX_READS_DROPPED = "sift_index_reads_dropped_total"
 METRIC_WORKER_PROCESSES = "sift_worker_processes"  # a sift worker supervisor's processes
 METRIC_WORKER_RESTARTS = "sift_worker_restarts_total"  # ... that exited unasked, restarted
 METRIC_CLOCK_SKEW = "sift_clock_skew_seconds"  # a host's wall clock minus Redis's

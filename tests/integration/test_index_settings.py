@@ -258,6 +258,31 @@ def test_whether_a_change_started_in_time_is_read_on_redis_s_clock(
         base.set_context(None)
 
 
+def test_a_read_taken_after_its_gateway_gave_up_is_dropped_and_counted(
+    runtime: Runtime, store: JobStore, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read carries the end of its gateway's wait as ``start_by`` too: taken after it (a
+    backlog, a worker started late) it ran, answering no one (and each retry of the client
+    added another). Now it is dropped unrun, counted by operation; one in time is answered."""
+    from worker.observability import metrics
+    from worker.queue import base, tasks
+
+    def dropped() -> float:
+        return float(metrics.INDEX_READS_DROPPED.labels("show")._value.get())
+
+    _worker_context(runtime, store, redis_url, monkeypatch, 0.0)
+    try:
+        before = dropped()
+        late = _redis_seconds(store) - 1
+        tasks.index_read.apply(args=["reply-late", "show", "acme", "docs", "", "", late])
+        assert store.redis.exists("reply-late") == 0 and dropped() == before + 1
+        in_time = _redis_seconds(store) + 5
+        tasks.index_read.apply(args=["reply-ok", "show", "acme", "docs", "", "", in_time])
+        assert store.redis.exists("reply-ok") == 1 and dropped() == before + 1
+    finally:
+        base.set_context(None)
+
+
 def test_deleting_an_indexs_last_document_clears_them_as_a_drop_does(
     runtime: Runtime, store: JobStore
 ) -> None:

@@ -769,12 +769,19 @@ def index_read(
     that has not had its index's settings lock by then. Redis failing is answered as the
     job store's failure wherever it comes, in reading its clock for ``start_by`` too (that
     one dropped the change unanswered, and its gateway waited out its 13 s to say no worker
-    answered); only the answer's own write can tell no one, so it is logged."""
+    answered); only the answer's own write can tell no one, so it is logged. A read carries
+    its ``start_by`` too, the end of its gateway's wait: one taken later (a backlog, a
+    worker started late) is dropped unrun, logged and counted
+    (``sift_index_reads_dropped_total``), as no one waits for its answer any more."""
     try:
         if start_by and self.context.store.server_time() > start_by:
             log.warning(
-                "index change for %s/%s came after its gateway gave up; dropped", tenant, index
+                "index %s for %s/%s came after its gateway gave up; dropped",
+                operation,
+                tenant,
+                index,
             )
+            metrics.index_read_dropped(operation)
             return
         self.context.admit(tenant)  # a removed tenant's index is not read nor changed either
         runtime = self.context.runtime

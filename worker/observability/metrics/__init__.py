@@ -19,7 +19,7 @@ Who calls what:
 * the pipeline reports through :class:`PrometheusRecorder` (the ``Recorder`` port);
 * a Celery task calls :func:`observe_queue_wait`, :func:`job_completed` and
   :func:`running_job`; the webhook task calls :func:`webhook_delivery` and
-  :func:`webhook_deferred`;
+  :func:`webhook_deferred`; the index read task calls :func:`index_read_dropped`;
 * the gateway calls :func:`job_submitted`; on each scrape its own ``/metrics`` route (behind
   ``SIFT_METRICS_TOKEN`` when set) sets the queued jobs from the job store and calls
   :func:`update_backlog` (:func:`job_store_unread` when Redis does not answer), then serves
@@ -57,6 +57,8 @@ from worker.observability.metrics._exposition import (
     start_worker_metrics_server,
 )
 from worker.observability.metrics._jobs import (
+    INDEX_READ_OPERATIONS,
+    INDEX_READS_DROPPED,
     JOB_ERRORS,
     JOB_FAILURES,
     JOB_KINDS,
@@ -78,6 +80,7 @@ from worker.observability.metrics._jobs import (
     WEBHOOK_RESULTS,
     RedisLike,
     cancel_counted,
+    index_read_dropped,
     job_completed,
     job_store_unread,
     job_submitted,
@@ -160,6 +163,8 @@ __all__ = [
     "BUDGET_WAIT_BUCKETS",
     "CLOCK_SKEW",
     "HITS_BUCKETS",
+    "INDEX_READS_DROPPED",
+    "INDEX_READ_OPERATIONS",
     "JOBS_COMPLETED",
     "JOBS_IN_FLIGHT",
     "JOBS_SUBMITTED",
@@ -222,6 +227,7 @@ __all__ = [
     "clock_skew",
     "ensure_multiprocess_dir",
     "exposition_registry",
+    "index_read_dropped",
     "job_completed",
     "job_store_unread",
     "job_submitted",

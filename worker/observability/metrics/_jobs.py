@@ -13,6 +13,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from worker.constants import (
     ERROR_TENANT_REMOVED,
+    METRIC_INDEX_READS_DROPPED,
     METRIC_JOB_FAILURES,
     METRIC_JOBS_COMPLETED,
     METRIC_JOBS_IN_FLIGHT,
@@ -60,6 +61,8 @@ JOB_ERRORS: Final = (
 WEBHOOK_RESULTS: Final = ("delivered", "retry", "failed")
 WEBHOOK_EVENTS: Final = (WEBHOOK_EVENT_SEARCH_COMPLETED, WEBHOOK_EVENT_BATCH_COMPLETED)
 REDRIVE_KINDS: Final = ("search", "batch", "ingest", "economy", "webhook")
+# the index reads a gateway sends (api_gateway/indexes.py), "update" a settings change
+INDEX_READ_OPERATIONS: Final = ("list", "show", "update", "documents", "document")
 
 # --- buckets ---
 # From a search taken at once (a few ms) to a day (a webhook retry's hours, a search queued
@@ -97,6 +100,12 @@ WEBHOOK_DEFERRALS = Counter(
     "SIFT_WEBHOOK_DELIVERIES_PER_PROCESS at once, or their tenant "
     "SIFT_WEBHOOK_DELIVERIES_PER_TENANT (a hop of 1-3 s, no attempt spent), by event type.",
     ["type"],
+)
+INDEX_READS_DROPPED = Counter(
+    METRIC_INDEX_READS_DROPPED,
+    "Index reads and settings changes a worker took after their gateway had given up "
+    "waiting (INDEX_READ_TIMEOUT_SECONDS), dropped unrun, by operation.",
+    ["operation"],
 )
 QUEUE_BACKLOG = Gauge(
     METRIC_QUEUE_BACKLOG,
@@ -202,6 +211,13 @@ def webhook_deferred(event_type: str) -> None:
     """A webhook of ``event_type`` was put off: every delivery slot of its process, or its
     tenant's share of them, was sending."""
     WEBHOOK_DEFERRALS.labels(closed(event_type, WEBHOOK_EVENTS, "type")).inc()
+
+
+@never_raises
+def index_read_dropped(operation: str) -> None:
+    """An index read (or settings change) of ``operation`` came after its gateway's wait had
+    ended: dropped unrun, its answer awaited by no one."""
+    INDEX_READS_DROPPED.labels(closed(operation, INDEX_READ_OPERATIONS, "operation")).inc()
 
 
 class RedisLike(Protocol):

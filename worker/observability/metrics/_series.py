@@ -15,6 +15,8 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from worker.constants import LANES, POLICY_ID
 from worker.observability.metrics._jobs import (
+    INDEX_READ_OPERATIONS,
+    INDEX_READS_DROPPED,
     JOB_ERRORS,
     JOB_FAILURES,
     JOB_KINDS,
@@ -81,6 +83,7 @@ ALL_METRICS: Final[tuple[Counter | Gauge | Histogram, ...]] = (
     JOBS_IN_FLIGHT,
     WEBHOOK_DELIVERIES,
     WEBHOOK_DEFERRALS,
+    INDEX_READS_DROPPED,
     QUEUE_BACKLOG,
     JOBS_SUBMITTED,
     JOBS_COMPLETED,
@@ -155,5 +158,7 @@ def preregister(
         WEBHOOK_DEFERRALS.labels(event_type)
     for kind in REDRIVE_KINDS:
         REDRIVEN.labels(kind)
+    for operation in INDEX_READ_OPERATIONS:
+        INDEX_READS_DROPPED.labels(operation)
     for result in PROVIDER_DELETE_RESULTS:
         PROVIDER_DELETES.labels(result)

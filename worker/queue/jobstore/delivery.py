@@ -260,9 +260,14 @@ class DeliveryRecords(_StoreCore):
         counts = cast(list[int], self._count_redrives(keys=keys, args=args))
         return [int(count) for count in counts]
 
-    def push_messages(self, messages: Sequence[tuple[str, str]]) -> None:
-        """LPUSH ready-made broker messages, (list key, raw message), as kombu's Redis does."""
+    def push_messages(
+        self, messages: Sequence[tuple[str, str]], *, next_taken: bool = False
+    ) -> None:
+        """LPUSH ready-made broker messages, (list key, raw message), as kombu's Redis does:
+        behind every message waiting. ``next_taken``: RPUSH, at the end a worker's ``BRPOP``
+        takes from, as the broker puts back a message handed back unprocessed
+        (:mod:`worker.queue.broker`): ahead of every message waiting in its list."""
         pipe = self.redis.pipeline(transaction=False)
         for key, raw in messages:
-            pipe.lpush(key, raw)
+            (pipe.rpush if next_taken else pipe.lpush)(key, raw)
         pipe.execute()
