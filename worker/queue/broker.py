@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import contextlib
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import parse_qs, urlparse
 
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
@@ -62,6 +62,9 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 
 TRANSPORT = "worker.queue.broker:Transport"
+
+# the TLS parameters of a rediss:// URL that redis-py reads (and kombu passes on to it)
+SSL_PARAMETERS = ("ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
 
 
 class QoS(kombu_redis.QoS):
@@ -158,3 +161,23 @@ def broker_transport(broker_url: str) -> str | None:
 
     ``rediss://`` is left to kombu: it sets TLS up from that scheme name only."""
     return TRANSPORT if urlparse(broker_url).scheme == "redis" else None
+
+
+def broker_ssl(broker_url: str) -> dict[str, str] | None:
+    """The broker connection's TLS options (Celery's ``broker_use_ssl``) for ``broker_url``:
+    None unless ``rediss://``; else its ``ssl_*`` query parameters, with the certificate
+    required unless ``ssl_cert_reqs`` says otherwise.
+
+    That is what redis-py makes of the same URL for the job store and the gateway. Without
+    it kombu, given no TLS options, checks no certificate at all (``CERT_NONE``, "defaulting
+    to insecure SSL behaviour"): ``rediss://host:6380/0`` was any server to the worker.
+
+    >>> broker_ssl("rediss://redis.internal:6380/0?ssl_ca_certs=/etc/sift/ca.crt")
+    {'ssl_cert_reqs': 'required', 'ssl_ca_certs': '/etc/sift/ca.crt'}"""
+    parsed = urlparse(broker_url)
+    if parsed.scheme != "rediss":
+        return None
+    query = parse_qs(parsed.query)
+    options = {"ssl_cert_reqs": "required"}
+    options.update({name: query[name][-1] for name in SSL_PARAMETERS if name in query})
+    return options

@@ -39,7 +39,7 @@ from worker.constants import (
     WEBHOOK_TASK,
 )
 from worker.errors import ConfigError
-from worker.queue.broker import broker_transport
+from worker.queue.broker import broker_ssl, broker_transport
 from worker.redis_client import OUTAGE_SECONDS
 from worker.settings import Settings
 
@@ -160,6 +160,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "broker_url": settings.redis_url,
         # kombu's Redis transport with a fix that keeps the worker alive when Redis restarts
         "broker_transport": broker_transport(settings.redis_url),
+        # rediss://: the certificate checked as the job store's redis-py checks it, from the URL
+        "broker_use_ssl": broker_ssl(settings.redis_url),
         "result_backend": None,  # results live in the job store, not in Celery
         "task_ignore_result": True,
         "task_serializer": "json",
