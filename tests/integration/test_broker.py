@@ -98,9 +98,9 @@ def test_sifts_transport_closes_cleanly_and_acks_late(tmp_path: Path) -> None:
     assert unacked == 0
 
 
-def test_the_transport_is_ours_only_for_plain_redis_urls() -> None:
+def test_the_transport_is_ours_for_redis_urls_tls_or_not() -> None:
     assert broker_transport("redis://127.0.0.1:6379/0") == TRANSPORT
-    assert broker_transport("rediss://cache.example:6380/0") is None  # kombu sets TLS up
+    assert broker_transport("rediss://cache.example:6380/0") == TRANSPORT  # TLS: broker_use_ssl
     assert broker_transport("sentinel://10.0.0.1:26379") is None
 
 

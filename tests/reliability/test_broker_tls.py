@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from celery import Celery
 
 from tests.fake_anthropic import FakeAnthropic
 from tests.integration.es_loopback import PrivateCa, private_ca
-from tests.reliability.support import ACME, ingest, stack_env, submit_search, wait_for
+from tests.reliability.support import ACME, DOWN_SECONDS, ingest, stack_env, submit_search, wait_for
 from tests.services import free_port, gateway
 from worker.processes.stack import child_env, redis_service, running, worker_process
 from worker.queue.config import celery_config
@@ -79,13 +80,17 @@ def broker_connects(url: str) -> None:
         connection.default_channel.client.ping()
 
 
+def final(client: httpx.Client, job: str) -> str | None:
+    """The search ``job``'s status once final, else None."""
+    status = str(client.get(f"/v1/searches/{job}", headers=ACME).json()["status"])
+    return None if status in ("queued", "running") else status
+
+
 def searched(client: httpx.Client) -> str:
-    """A search's final status (a reranked one, through the queue)."""
+    """A new search's final status (a reranked one, through the queue)."""
     job = submit_search(client, "who beat Kasparov")
-    path = f"/v1/searches/{job}"
-    wait_for(lambda: client.get(path, headers=ACME).json()["status"] != "queued", "started", 60)
-    wait_for(lambda: client.get(path, headers=ACME).json()["status"] != "running", "final", 60)
-    return str(client.get(path, headers=ACME).json()["status"])
+    wait_for(lambda: final(client, job) is not None, "the search final")
+    return str(final(client, job))
 
 
 @pytest.mark.parametrize("trusted", [None, "other"], ids=["system-roots", "another-ca"])
@@ -113,3 +118,31 @@ def test_a_search_runs_on_a_tls_redis(tmp_path: Path, ca: PrivateCa, model: Fake
         ):
             ingest(client)
             assert searched(client) == "succeeded"
+
+
+def test_a_worker_on_a_tls_redis_survives_its_restart(tmp_path: Path, ca: PrivateCa) -> None:
+    """Redis stopped (SIGTERM: it writes its AOF) and started again under a ``--processes 1``
+    worker while a search's model call is held: the same process consumes on, the held search
+    and one sent after the restart succeed. kombu's own transport, which ``rediss://`` had,
+    died closing the channel that held the search's message ("Unrecoverable error",
+    :mod:`worker.queue.broker`), and its search stayed running."""
+    port, log = free_port(), tmp_path / "w" / "worker.log"
+    with contextlib.ExitStack() as first_redis, FakeAnthropic(hold_unscripted=True) as model:
+        first_redis.enter_context(tls_redis(tmp_path / "redis", ca, port))
+        env = child_env(stack_env(tls_url(port, ca), model.url), inherit_sift=False)
+        with (
+            worker_process(tmp_path / "w", env, processes=1) as worker,
+            gateway(tmp_path / "g", env) as base,
+            httpx.Client(base_url=base, timeout=30) as client,
+        ):
+            ingest(client)
+            held = submit_search(client, "who beat Kasparov")
+            wait_for(lambda: model.counts()["received"] == 1, "the model call held")
+            first_redis.close()
+            time.sleep(DOWN_SECONDS)  # down long enough for the worker's reconnect to meet it
+            with tls_redis(tmp_path / "redis", ca, port):
+                model.configure(hold_unscripted=False)
+                wait_for(lambda: final(client, held) == "succeeded", "the held search succeeded")
+                assert searched(client) == "succeeded"  # sent after the restart
+                assert "Unrecoverable error" not in log.read_text(errors="replace")
+                assert worker.poll() is None

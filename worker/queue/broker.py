@@ -44,10 +44,12 @@ items not started waited for the re-drive. :class:`QoS` keeps each message its c
 in hand until its task acks or rejects it, and a hand-back ``unacked`` no longer holds goes
 back from that one, the same message, the next taken.
 
-``celery_config`` selects this transport for ``redis://`` broker URLs; every other scheme keeps
-kombu's own. ``tests/reliability/test_broker_restart.py`` restarts Redis under a worker;
-``tests/integration/test_broker.py`` checks both the close and the order, and
-``tests/integration/test_batch_order.py`` the order over real workers.
+``celery_config`` selects this transport for ``redis://`` and ``rediss://`` broker URLs (TLS
+from ``broker_use_ssl``, :func:`broker_ssl`); every other scheme keeps kombu's own.
+``tests/reliability/test_broker_restart.py`` restarts Redis under a worker (and
+``tests/reliability/test_broker_tls.py`` a TLS one); ``tests/integration/test_broker.py``
+checks both the close and the order, and ``tests/integration/test_batch_order.py`` the order
+over real workers.
 """
 
 from __future__ import annotations
@@ -157,10 +159,13 @@ class Transport(kombu_redis.Transport):
 
 
 def broker_transport(broker_url: str) -> str | None:
-    """The transport for ``broker_url``: ours for ``redis://``, else None (kombu picks).
+    """The transport for ``broker_url``: ours for ``redis://`` and ``rediss://``, else None
+    (kombu picks).
 
-    ``rediss://`` is left to kombu: it sets TLS up from that scheme name only."""
-    return TRANSPORT if urlparse(broker_url).scheme == "redis" else None
+    kombu sets TLS up from the scheme name ``rediss`` only when it picks its own transport;
+    ours takes it from ``broker_use_ssl`` (:func:`broker_ssl`), so a TLS worker rides out a
+    Redis restart too (kombu's own exited: "Unrecoverable error")."""
+    return TRANSPORT if urlparse(broker_url).scheme in ("redis", "rediss") else None
 
 
 def broker_ssl(broker_url: str) -> dict[str, str] | None:

@@ -159,6 +159,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     return {
         "broker_url": settings.redis_url,
         # kombu's Redis transport with a fix that keeps the worker alive when Redis restarts
+        # (redis:// and rediss://)
         "broker_transport": broker_transport(settings.redis_url),
         # rediss://: the certificate checked as the job store's redis-py checks it, from the URL
         "broker_use_ssl": broker_ssl(settings.redis_url),
