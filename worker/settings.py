@@ -58,6 +58,9 @@ DAY = 86_400
 #: minute. Like every whole-number setting's bound, it only keeps a typo of many digits out.
 PER_MINUTE_MAX = 1_000_000_000
 
+#: The ssl_cert_reqs of a rediss:// SIFT_REDIS_URL: the words redis-py and kombu both take.
+REDIS_CERT_CHECKS = frozenset({"required", "optional", "none"})
+
 #: The analyzers SIFT_ELASTICSEARCH_ANALYZER takes: Elasticsearch's built-in language
 #: analyzers (its analysis-common module; ``chinese`` left out: ES keeps it for indexes of
 #: old releases only, ``cjk`` is the one for new ones) and ``standard``. A name ES has no
@@ -542,6 +545,10 @@ class Settings(BaseSettings):
                 f"the database (the path, or ?db=) must be a number from 0, as in "
                 f"redis://127.0.0.1:6379/0, not that of {shown}"
             )
+        # the certificate check: redis-py takes these three words only, kombu raised KeyError
+        # on any other (the worker's traceback) and the gateway's first command RedisError
+        if not set(parse_qs(parts.query).get("ssl_cert_reqs", [])) <= REDIS_CERT_CHECKS:
+            raise ValueError(f"ssl_cert_reqs must be required, optional or none, not in {shown}")
         return value
 
     @field_validator("url", "prometheus_url", "elasticsearch_url")

@@ -253,6 +253,9 @@ def test_a_keys_files_error_names_its_full_path(tmp_path: Path) -> None:
         ("SIFT_REDIS_URL", "redis://127.0.0.1:6379/-1"),
         ("SIFT_REDIS_URL", "redis://127.0.0.1:6379?db=abc"),
         ("SIFT_REDIS_URL", "unix:///run/redis/redis.sock?db=-1"),
+        # what redis-py (RedisError at the first command) and kombu (KeyError) refuse alike
+        ("SIFT_REDIS_URL", "rediss://redis.internal:6380/0?ssl_cert_reqs=bogus"),
+        ("SIFT_REDIS_URL", "rediss://redis.internal:6380/0?ssl_cert_reqs=CERT_REQUIRED"),
         ("SIFT_URL", "127.0.0.1:8080"),
         ("SIFT_URL", "ftp://gateway:8080"),
         ("SIFT_PROMETHEUS_URL", "prometheus:9090"),
@@ -282,6 +285,8 @@ def test_a_url_setting_without_its_scheme_is_refused_naming_it(
         ("SIFT_REDIS_URL", "redis://redis"),  # port 6379, db 0
         ("SIFT_REDIS_URL", "redis://127.0.0.1:6379/"),
         ("SIFT_REDIS_URL", "redis://127.0.0.1:6379?db=2"),
+        ("SIFT_REDIS_URL", "rediss://redis:6380/0?ssl_cert_reqs=required&ssl_ca_certs=/ca.crt"),
+        ("SIFT_REDIS_URL", "rediss://redis:6380/0?ssl_cert_reqs=none"),
         ("SIFT_URL", "https://sift.example.com/api"),
         ("SIFT_PROMETHEUS_URL", "http://[::1]:9090"),
         ("SIFT_ELASTICSEARCH_URL", "https://elastic:pw@es.internal:9200"),
