@@ -680,10 +680,10 @@ def test_keeps_the_last_requests_but_counts_every_one(fake: FakeAnthropic) -> No
 
 def test_an_outage_answers_its_statuses_in_turn_then_ends(fake: FakeAnthropic) -> None:
     remote = RemoteFakeAnthropic(fake.url)
-    remote.outage(0.6, (529, 429), retry_after=2)
+    remote.outage(60, (529, 429), retry_after=2)  # ended below: no race with the clock
     with httpx.Client(base_url=fake.url, timeout=10.0) as http:
         during = [http.post("/v1/messages", headers=HEADERS, json=body()) for _ in range(3)]
-        time.sleep(0.7)
+        remote.outage(0, (529,))  # an outage of no seconds: the last one is over
         after = http.post("/v1/messages", headers=HEADERS, json=body())
     assert_api_error(during[0], 529, "overloaded_error")
     assert_api_error(during[1], 429, "rate_limit_error")
