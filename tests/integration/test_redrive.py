@@ -833,3 +833,33 @@ def test_a_window_s_sweep_that_finds_a_webhook_lost_brings_the_next_sweep_soon(
     assert default_sweeper.sweep_if_leader() == []
     assert store.redis.hkeys(REDRIVE_WEBHOOK_SUSPECTS_KEY) == [job.id]
     assert 0 < store.redis.pttl(REDRIVE_LEADER_KEY) <= 5_000
+
+
+def test_a_user_that_may_not_run_info_still_redrives_a_lost_search(
+    store: JobStore, redis_url: str, tmp_path: Path
+) -> None:
+    """A Redis whose ACL refuses ``INFO`` (a managed service's user, as Redis Cloud's "not
+    dangerous" role): the sweep's restart check cannot read the ``run_id``, and every sweep
+    failed on it before re-driving anything, so a search whose message was lost stayed
+    ``queued``. A real worker on that user re-drives it to its end."""
+    store.redis.execute_command(
+        "ACL", "SETUSER", "noinfo", "on", ">pw", "~*", "&*", "+@all", "-info"
+    )
+    try:
+        lost = create_search(store)
+        assert lose_oldest(store, SEARCH_QUEUE) == Coverage(lost.id, range(0, 1))
+        host = redis_url.removeprefix("redis://")
+        env = {
+            **worker_env(f"redis://noinfo:pw@{host}"),
+            "SIFT_REDRIVE_INTERVAL_SECONDS": "1",  # sooner than the defaults, as bad
+            "SIFT_REDRIVE_STALL_SECONDS": "0",
+        }
+        with celery_worker(tmp_path / "w", env, "noinfo"):
+            log = tmp_path / "w" / "noinfo.log"
+            wait_until(lambda: (store.get_search_status(lost.id) or "").final, lost.id, log=log)
+        assert store.get_search_status(lost.id) == "succeeded"
+        said = log.read_text(errors="replace")
+        assert "re-drive sweep failed" not in said, said[-4000:]
+        assert said.count("may not run INFO") == 1, said[-4000:]  # said once, what it costs
+    finally:
+        store.redis.execute_command("ACL", "DELUSER", "noinfo")

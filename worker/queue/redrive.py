@@ -117,6 +117,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
+import redis
 from celery import bootsteps
 
 from worker import clock
@@ -148,6 +149,13 @@ from worker.queue.urgent_window import hurry_next_sweep, open_urgent_window, urg
 from worker.redis_client import connect
 
 log = logging.getLogger(__name__)
+
+#: What a worker says, once, when its Redis user may not run ``INFO``: what the sweep loses
+INFO_REFUSED = (
+    "re-drive: this Redis user may not run INFO, so a Redis restart is not seen by its run_id;"
+    " messages a restart cut off are re-driven once their jobs stall"
+    " (SIFT_REDRIVE_STALL_SECONDS), not in the urgent window. Allow INFO (+info) to have it"
+)
 
 # Sends one task message: (task name, JSON args, queue, task id).
 Send = Callable[[str, list[Any], str, str], None]
@@ -295,6 +303,7 @@ class Sweeper:
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._info_refused = False  # said once: INFO_REFUSED
 
     # --- the thread -------------------------------------------------------------------------
 
@@ -447,9 +456,18 @@ class Sweeper:
     def note_restart(self) -> None:
         """Open an urgent window if Redis has restarted since the last sweep: a pop whose reply
         the restart cut off has lost its message. Redis's ``run_id`` changes at every start;
-        the one this sweep sees replaces the one the last sweep stored."""
+        the one this sweep sees replaces the one the last sweep stored. A user that may not
+        run ``INFO`` (a managed service's, ``-info``) has no ``run_id`` to read: the check is
+        skipped, said once (:data:`INFO_REFUSED`), and the rest of the sweep runs; a marker
+        key would be no substitute, since it survives the restarts (AOF on) it should see."""
         client = self.store.redis
-        run_id = str(client.info("server")["run_id"])
+        try:
+            run_id = str(client.info("server")["run_id"])
+        except redis.exceptions.NoPermissionError:
+            if not self._info_refused:
+                self._info_refused = True
+                log.warning(INFO_REFUSED)
+            return
         previous = cast(str | None, client.set(REDRIVE_RUN_ID_KEY, run_id, get=True))
         if previous is not None and previous != run_id:
             open_urgent_window(
