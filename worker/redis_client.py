@@ -12,6 +12,7 @@ sized for a restart would hold a call for hours there.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
     from worker.settings import Settings
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 # Text replies, and no call left hanging on a dead connection. Maintenance notifications (a
 # Redis Enterprise/Cloud feature, on by default with RESP3 in redis-py 8) make the pool skip
@@ -161,6 +164,58 @@ def refused_database(url: str) -> str | None:
     finally:
         client.close()
     return None
+
+
+#: The one ``maxmemory-policy`` Sift runs on: the job store and the broker keep every key
+NOEVICTION = "noeviction"
+
+#: What a gateway or worker says, once, of a Redis user that may not run ``INFO``
+INFO_REFUSED_AT_START = (
+    "this Redis user may not run INFO: its maxmemory-policy (must be noeviction) and its "
+    "persistence (appendonly) go unchecked"
+)
+
+_info_refused_said = False
+
+
+def info_at_start(url: str, section: str) -> dict[str, Any] | None:
+    """Redis's ``INFO section``, read once as a gateway or worker starts, or None: Redis not
+    answering (yet: a worker waits for it), or a user that may not run ``INFO`` (said once at
+    WARNING, :data:`INFO_REFUSED_AT_START`; a managed service's restricted role). INFO, not
+    CONFIG GET: it answers where a managed service renames or refuses CONFIG.
+
+    >>> info_at_start("redis://127.0.0.1:1/0", "memory") is None  # nothing listens there
+    True
+    """
+    global _info_refused_said
+    client = connect(url)
+    try:
+        return dict(client.info(section))
+    except redis.exceptions.NoPermissionError:
+        if not _info_refused_said:
+            _info_refused_said = True
+            log.warning(INFO_REFUSED_AT_START)
+        return None
+    except redis.RedisError:
+        return None
+    finally:
+        client.close()
+
+
+def evicting_policy(info: dict[str, Any] | None) -> str | None:
+    """The ``maxmemory_policy`` of ``INFO memory``'s ``info`` when it is not ``noeviction``
+    (Redis would drop keys when full: accepted jobs, results, a live worker's heartbeat),
+    else None.
+
+    >>> evicting_policy({"maxmemory_policy": "allkeys-lru"})
+    'allkeys-lru'
+    >>> evicting_policy({"maxmemory_policy": "noeviction"}) is None
+    True
+    >>> evicting_policy(None) is None  # INFO refused, or Redis not answering
+    True
+    """
+    policy = (info or {}).get("maxmemory_policy")
+    return None if policy in (None, NOEVICTION) else str(policy)
 
 
 class _Final(Exception):

@@ -16,10 +16,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import redis
 
 from worker.processes.stack import (
     child_env,
     free_port,
+    gateway_process,
     redis_server,
     stop,
     wait_until,
@@ -198,3 +200,46 @@ def test_a_worker_waits_for_a_redis_not_up_yet(tmp_path: Path) -> None:
             assert proc.poll() is None
     finally:
         stop(proc, service.stop_timeout)
+
+
+@pytest.mark.parametrize("policy", ["allkeys-lru", "volatile-lru"])
+@pytest.mark.parametrize("args", [["worker", "--processes", "1"], ["gateway", "--port"]])
+def test_an_evicting_redis_is_one_line_naming_its_policy(
+    tmp_path: Path, args: list[str], policy: str
+) -> None:
+    """A Redis that evicts (``allkeys-lru``, a common managed default; ``volatile-lru``) drops
+    accepted jobs, finished results and a live worker's heartbeat when full, and they read
+    404: the job store and the broker must keep every key. A worker or gateway started on one
+    ran as if nothing were wrong; each now stops at its start, one line naming the setting."""
+    if args[-1] == "--port":
+        args = [*args, str(free_port())]
+    with redis_server(tmp_path / "redis") as url:
+        admin = redis.Redis.from_url(url)
+        admin.config_set("maxmemory-policy", policy)
+        admin.close()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SIFT_")}
+        env.update(SIFT_DATA_DIR=str(tmp_path / "data"), SIFT_WORKER_METRICS_PORT="0")
+        env.update(SIFT_REDIS_URL=url + "/0", COLUMNS="200")
+        ran = subprocess.run(
+            [SIFT, *args], env=env, capture_output=True, text=True, timeout=60, check=False
+        )
+    said = ran.stdout + ran.stderr
+    assert ran.returncode == 2, said
+    assert f"maxmemory-policy {policy}" in said, said
+    assert "maxmemory-policy noeviction" in said and "SIFT_REDIS_URL" in said, said
+    assert "Traceback" not in said and len(said.strip().splitlines()) == 1, said
+
+
+def test_a_redis_that_keeps_every_key_starts_a_worker_and_a_gateway(tmp_path: Path) -> None:
+    """The same start on ``noeviction`` (``sift up``'s, the compose file's): both run."""
+    with redis_server(tmp_path / "redis") as url:
+        env = {"SIFT_REDIS_URL": url + "/0", "SIFT_WORKER_METRICS_PORT": "0"}
+        env["SIFT_DATA_DIR"] = str(tmp_path / "data")
+        with gateway_process(tmp_path / "g", child_env(env, inherit_sift=False)):
+            service = worker_service(tmp_path / "w", child_env(env, inherit_sift=False))
+            proc = service.start()
+            try:
+                service.wait_ready()
+                assert proc.poll() is None
+            finally:
+                stop(proc, service.stop_timeout)

@@ -83,6 +83,7 @@ def gateway(
     overrides = {} if port is None else {"gateway_port": port}
     settings = _settings(options=("gateway_port",), **overrides)
     _require_redis(settings, "the gateway")
+    _require_noeviction(settings)
     _require_api_keys(settings)
     uvicorn.run(
         "api_gateway.app:serve", factory=True, host=host, port=settings.gateway_port,
@@ -159,6 +160,7 @@ def worker(
         _require_metrics_dir()
         _check_backend(settings)
         _require_redis_database(settings)
+        _require_noeviction(settings)
         shared = _share_data_dir(settings)
     count = 1 if supervised_by else resolve_processes(settings.worker_processes)
     if count > 1:
@@ -229,6 +231,23 @@ def _require_redis_database(settings: Settings) -> None:
             else ""
         )
         _stop(f"SIFT_REDIS_URL: Redis refuses {why} ({refusal}){hint}")
+
+
+def _require_noeviction(settings: Settings) -> None:
+    """Stop (exit 2, one line naming the setting) a gateway or worker whose Redis evicts keys
+    when full (``allkeys-lru``, a common managed default): it is the job store and the broker,
+    and an evicting one lost accepted batches, finished searches (both read 404) and a live
+    worker's heartbeat, silently. Read from ``INFO memory``; a user refused INFO is warned of
+    once and let start, as is a Redis not answering yet."""
+    from worker.redis_client import evicting_policy, info_at_start
+
+    if settings.redis_url and (
+        policy := evicting_policy(info_at_start(settings.redis_url, "memory"))
+    ):
+        _stop(
+            f"SIFT_REDIS_URL: Redis evicts keys when full (maxmemory-policy {policy}), and Sift's "
+            "jobs and messages would go with them: set `maxmemory-policy noeviction` on it"
+        )
 
 
 def _require_api_keys(settings: Settings) -> None:
@@ -695,6 +714,7 @@ def up(
             f"both {settings.gateway_port}: the gateway and the worker's /metrics need one each"
         )
     _require_redis_database(settings)  # a Redis of its own choosing; sift up's own has db 0
+    _require_noeviction(settings)  # the same: sift up's own runs noeviction
     stopping = threading.Event()
     started: LocalStack | None = None
 
