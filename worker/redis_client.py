@@ -218,6 +218,19 @@ def evicting_policy(info: dict[str, Any] | None) -> str | None:
     return None if policy in (None, NOEVICTION) else str(policy)
 
 
+def keeps_no_aof(info: dict[str, Any] | None) -> bool:
+    """Whether ``INFO persistence``'s ``info`` says Redis keeps no AOF (``appendonly no``): a
+    restart of it loses what its last RDB snapshot missed, everything with none (``save ""``).
+    Not refused (a dev Redis may run so), only said: see the caller.
+
+    >>> keeps_no_aof({"aof_enabled": 0}), keeps_no_aof({"aof_enabled": 1})
+    (True, False)
+    >>> keeps_no_aof(None)  # INFO refused, or Redis not answering: nothing known
+    False
+    """
+    return info is not None and not int(info.get("aof_enabled", 1))
+
+
 class _Final(Exception):
     """An error redis-py's ``is_retryable`` refused: raised at once, as itself."""
 

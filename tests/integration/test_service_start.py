@@ -243,3 +243,28 @@ def test_a_redis_that_keeps_every_key_starts_a_worker_and_a_gateway(tmp_path: Pa
                 assert proc.poll() is None
             finally:
                 stop(proc, service.stop_timeout)
+
+
+@pytest.mark.parametrize("appendonly", [False, True])
+def test_a_redis_without_its_aof_is_warned_of_at_start(tmp_path: Path, appendonly: bool) -> None:
+    """A Redis that keeps no AOF (``appendonly no``; with ``save ""`` nothing at all) loses
+    every job and message at its restart: the gateway and the worker start (a dev Redis may run
+    so) but each says so once, at WARNING, naming what to set. They said nothing."""
+    with redis_server(tmp_path / "redis", appendonly=appendonly) as url:
+        env = {"SIFT_REDIS_URL": url + "/0", "SIFT_WORKER_METRICS_PORT": "0"}
+        env["SIFT_DATA_DIR"] = str(tmp_path / "data")
+        with gateway_process(tmp_path / "g", child_env(env, inherit_sift=False)):
+            service = worker_service(tmp_path / "w", child_env(env, inherit_sift=False))
+            assert service.log is not None
+            proc = service.start()
+            try:
+                service.wait_ready()
+            finally:
+                stop(proc, service.stop_timeout)
+            logs = [service.log, tmp_path / "g" / "gateway.log"]
+            for log in logs:
+                said = log.read_text(errors="replace")
+                warned = said.count("appendonly yes")
+                assert warned == (0 if appendonly else 1), (log.name, said[-3000:])
+                if not appendonly:
+                    assert "a restart of it loses every job" in said, said[-3000:]

@@ -84,6 +84,7 @@ def gateway(
     settings = _settings(options=("gateway_port",), **overrides)
     _require_redis(settings, "the gateway")
     _require_noeviction(settings)
+    _warn_no_aof(settings)
     _require_api_keys(settings)
     uvicorn.run(
         "api_gateway.app:serve", factory=True, host=host, port=settings.gateway_port,
@@ -161,6 +162,7 @@ def worker(
         _check_backend(settings)
         _require_redis_database(settings)
         _require_noeviction(settings)
+        _warn_no_aof(settings)
         shared = _share_data_dir(settings)
     count = 1 if supervised_by else resolve_processes(settings.worker_processes)
     if count > 1:
@@ -247,6 +249,21 @@ def _require_noeviction(settings: Settings) -> None:
         _stop(
             f"SIFT_REDIS_URL: Redis evicts keys when full (maxmemory-policy {policy}), and Sift's "
             "jobs and messages would go with them: set `maxmemory-policy noeviction` on it"
+        )
+
+
+def _warn_no_aof(settings: Settings) -> None:
+    """Say once, at start, that a gateway's or worker's Redis keeps no AOF: a restart of it
+    loses every job and message (those its RDB snapshot, if any, missed), which no re-drive
+    can recover. Not refused: a dev Redis may run so; deploy/README.md asks for the AOF."""
+    from worker.redis_client import info_at_start, keeps_no_aof
+
+    if settings.redis_url and keeps_no_aof(info_at_start(settings.redis_url, "persistence")):
+        errors.print(
+            "[yellow]warning:[/yellow] SIFT_REDIS_URL: Redis keeps no AOF (appendonly no), so a "
+            "restart of it loses every job and message its last RDB snapshot missed (all of "
+            'them without one, save ""): set `appendonly yes` and `appendfsync everysec` on it',
+            soft_wrap=True,
         )
 
 
@@ -715,6 +732,7 @@ def up(
         )
     _require_redis_database(settings)  # a Redis of its own choosing; sift up's own has db 0
     _require_noeviction(settings)  # the same: sift up's own runs noeviction
+    _warn_no_aof(settings)  # the same: sift up's own keeps its AOF
     stopping = threading.Event()
     started: LocalStack | None = None
 
