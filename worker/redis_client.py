@@ -166,6 +166,33 @@ def refused_database(url: str) -> str | None:
     return None
 
 
+def refused_channels(url: str) -> str | None:
+    """Redis's refusal of the Pub/Sub channel Celery's remote control subscribes to (kombu's
+    fanout, ``/<db>.celery.pidbox``), or None: an ACL user without channels (no ``&*``; Redis
+    7's ``acl-pubsub-default`` is ``resetchannels``) has each worker process die on its
+    ``PSUBSCRIBE``. The probe is that ``PSUBSCRIBE`` itself, let go at once: a ``PUBLISH``
+    would hand live workers a message, and ``ACL DRYRUN`` is often refused to such users.
+    A Redis not answering is no refusal, as for :func:`refused_database`.
+
+    >>> refused_channels("redis://127.0.0.1:1/0") is None  # nothing listens there
+    True
+    """
+    client = connect(url)
+    pubsub = client.pubsub()
+    db = client.connection_pool.connection_kwargs.get("db", 0)
+    try:
+        pubsub.psubscribe(f"/{db}.celery.pidbox")
+        pubsub.get_message(timeout=5)  # its reply: the refusal is raised here
+    except redis.ResponseError as error:
+        return str(error)
+    except redis.RedisError:
+        return None
+    finally:
+        pubsub.close()
+        client.close()
+    return None
+
+
 #: The one ``maxmemory-policy`` Sift runs on: the job store and the broker keep every key
 NOEVICTION = "noeviction"
 

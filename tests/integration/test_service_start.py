@@ -268,3 +268,29 @@ def test_a_redis_without_its_aof_is_warned_of_at_start(tmp_path: Path, appendonl
                 assert warned == (0 if appendonly else 1), (log.name, said[-3000:])
                 if not appendonly:
                     assert "a restart of it loses every job" in said, said[-3000:]
+
+
+@pytest.mark.parametrize("args", [["worker", "--processes", "1"], ["worker", "--processes", "2"]])
+def test_a_user_without_pub_sub_channels_is_one_line_naming_them(
+    tmp_path: Path, args: list[str]
+) -> None:
+    """An ACL user with every key and command but no channel (``~* +@all`` without ``&*``:
+    Redis 7's ``acl-pubsub-default`` is ``resetchannels``): Celery's remote control subscribes
+    to its pidbox channel, and each worker process died on the refusal ("Unrecoverable
+    error", exit 0) and was started again for good while the gateway took jobs. ``sift
+    worker`` now stops at its start, one line naming the channels and ``&*``."""
+    with redis_server(tmp_path / "redis") as url:
+        admin = redis.Redis.from_url(url)
+        admin.execute_command("ACL", "SETUSER", "nochannels", "on", ">pw", "~*", "+@all")
+        admin.close()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SIFT_")}
+        env.update(SIFT_DATA_DIR=str(tmp_path / "data"), SIFT_WORKER_METRICS_PORT="0")
+        host = url.removeprefix("redis://")
+        env.update(SIFT_REDIS_URL=f"redis://nochannels:pw@{host}/0", COLUMNS="200")
+        ran = subprocess.run(
+            [SIFT, *args], env=env, capture_output=True, text=True, timeout=60, check=False
+        )
+    said = ran.stdout + ran.stderr
+    assert ran.returncode == 2, said
+    assert "SIFT_REDIS_URL" in said and "&*" in said and "channel" in said, said
+    assert "Traceback" not in said and len(said.strip().splitlines()) == 1, said

@@ -161,6 +161,7 @@ def worker(
         _require_metrics_dir()
         _check_backend(settings)
         _require_redis_database(settings)
+        _require_channels(settings)
         _require_noeviction(settings)
         _warn_no_aof(settings)
         shared = _share_data_dir(settings)
@@ -233,6 +234,21 @@ def _require_redis_database(settings: Settings) -> None:
             else ""
         )
         _stop(f"SIFT_REDIS_URL: Redis refuses {why} ({refusal}){hint}")
+
+
+def _require_channels(settings: Settings) -> None:
+    """Stop (exit 2, one line naming ``&*``) a worker whose Redis user may not use Pub/Sub
+    channels: Celery's remote control subscribes to one, and each worker process died on the
+    refusal ("Unrecoverable error", exit 0) and was started again for as long as it ran,
+    while the gateway took jobs no worker would run."""
+    from worker.redis_client import refused_channels
+
+    if settings.redis_url and (refusal := refused_channels(settings.redis_url)):
+        _stop(
+            f"SIFT_REDIS_URL: Redis refuses this user the Pub/Sub channel Celery's workers "
+            f"subscribe to ({refusal}): give the user channel access, `&*` (ACL SETUSER "
+            "<user> &*; Redis 7 gives a new user none: acl-pubsub-default resetchannels)"
+        )
 
 
 def _require_noeviction(settings: Settings) -> None:
@@ -731,6 +747,7 @@ def up(
             f"both {settings.gateway_port}: the gateway and the worker's /metrics need one each"
         )
     _require_redis_database(settings)  # a Redis of its own choosing; sift up's own has db 0
+    _require_channels(settings)  # the same: sift up's own user has every channel
     _require_noeviction(settings)  # the same: sift up's own runs noeviction
     _warn_no_aof(settings)  # the same: sift up's own keeps its AOF
     stopping = threading.Event()
