@@ -166,6 +166,11 @@ def refused_database(url: str) -> str | None:
     return None
 
 
+#: How long a start-up check waits on each reply: a Redis that accepts and never answers
+#: (stopped) holds a gateway's or worker's start this long a try, not the 30 s of a job's
+START_CHECK_TIMEOUT_SECONDS = 5.0
+
+
 def refused_channels(url: str) -> str | None:
     """Redis's refusal of the Pub/Sub channel Celery's remote control subscribes to (kombu's
     fanout, ``/<db>.celery.pidbox``), or None: an ACL user without channels (no ``&*``; Redis
@@ -177,7 +182,7 @@ def refused_channels(url: str) -> str | None:
     >>> refused_channels("redis://127.0.0.1:1/0") is None  # nothing listens there
     True
     """
-    client = connect(url)
+    client = connect(url, socket_timeout=START_CHECK_TIMEOUT_SECONDS)
     pubsub = client.pubsub()
     db = client.connection_pool.connection_kwargs.get("db", 0)
     try:
@@ -215,7 +220,7 @@ def info_at_start(url: str, section: str) -> dict[str, Any] | None:
     True
     """
     global _info_refused_said
-    client = connect(url)
+    client = connect(url, socket_timeout=START_CHECK_TIMEOUT_SECONDS)
     try:
         return dict(client.info(section))
     except redis.exceptions.NoPermissionError:
