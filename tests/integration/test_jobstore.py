@@ -60,6 +60,26 @@ def spec(query: str = "q") -> SearchSpec:
     return SearchSpec(index="docs", query=query)
 
 
+def _lose_the_first_exec_reply(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Break the connection once, after the first MULTI's EXEC reached Redis and its reply
+    was read: the reply is thrown away, as a connection cut then loses it. Answers a flag
+    set once that happened."""
+    from redis.client import Pipeline
+
+    real_parse = Pipeline.parse_response
+    broken = [False]
+
+    def parse_then_break(self: Pipeline, *args: object, **kwargs: object) -> object:
+        reply = real_parse(self, *args, **kwargs)
+        if isinstance(reply, list) and self.explicit_transaction and not broken[0]:
+            broken[0] = True  # EXEC's reply, read and thrown away
+            raise redis.ConnectionError("reply lost")
+        return reply
+
+    monkeypatch.setattr(Pipeline, "parse_response", parse_then_break)
+    return broken
+
+
 def test_a_search_is_finished_once(store: JobStore) -> None:
     job = store.create_search("acme", spec())
     assert store.start_search(job.id)
@@ -865,19 +885,7 @@ def test_an_ingest_multi_whose_reply_was_lost_is_not_written_twice(
 ) -> None:
     """As a batch's: the connection breaks after the commit's EXEC reached Redis, and the
     retry under the WATCH finds the record, writing nothing more."""
-    from redis.client import Pipeline
-
-    real_parse = Pipeline.parse_response
-    broken = [False]
-
-    def parse_then_break(self: Pipeline, *args: object, **kwargs: object) -> object:
-        reply = real_parse(self, *args, **kwargs)
-        if isinstance(reply, list) and self.explicit_transaction and not broken[0]:
-            broken[0] = True  # EXEC's reply, read and thrown away
-            raise redis.ConnectionError("reply lost")
-        return reply
-
-    monkeypatch.setattr(Pipeline, "parse_response", parse_then_break)
+    broken = _lose_the_first_exec_reply(monkeypatch)
     job = store.create_ingest("acme", "docs", [DocumentIn(id="a", text="t")], enqueue=_msgs)
     assert broken[0]
     assert (
@@ -1020,19 +1028,7 @@ def test_a_batch_multi_whose_reply_was_lost_is_not_written_twice(
 ) -> None:
     """The connection breaks after EXEC reached Redis: redis-py's retry, under the WATCH,
     finds the batch's record and writes nothing more."""
-    from redis.client import Pipeline
-
-    real_parse = Pipeline.parse_response
-    broken = [False]
-
-    def parse_then_break(self: Pipeline, *args: object, **kwargs: object) -> object:
-        reply = real_parse(self, *args, **kwargs)
-        if isinstance(reply, list) and self.explicit_transaction and not broken[0]:
-            broken[0] = True  # EXEC's reply, read and thrown away
-            raise redis.ConnectionError("reply lost")
-        return reply
-
-    monkeypatch.setattr(Pipeline, "parse_response", parse_then_break)
+    broken = _lose_the_first_exec_reply(monkeypatch)
     batch = store.create_batch(
         "acme", "docs", [(f"q{i}", spec()) for i in range(3)],
         enqueue=lambda job_id: [("q.work", job_id)],
