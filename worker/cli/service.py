@@ -83,8 +83,7 @@ def gateway(
     overrides = {} if port is None else {"gateway_port": port}
     settings = _settings(options=("gateway_port",), **overrides)
     _require_redis(settings, "the gateway")
-    _require_noeviction(settings)
-    _warn_no_aof(settings)
+    _check_redis_config(settings, channels=False)  # the gateway subscribes to none
     _require_api_keys(settings)
     uvicorn.run(
         "api_gateway.app:serve", factory=True, host=host, port=settings.gateway_port,
@@ -161,9 +160,7 @@ def worker(
         _require_metrics_dir()
         _check_backend(settings)
         _require_redis_database(settings)
-        _require_channels(settings)
-        _require_noeviction(settings)
-        _warn_no_aof(settings)
+        _check_redis_config(settings)
         shared = _share_data_dir(settings)
     count = 1 if supervised_by else resolve_processes(settings.worker_processes)
     if count > 1:
@@ -234,6 +231,15 @@ def _require_redis_database(settings: Settings) -> None:
             else ""
         )
         _stop(f"SIFT_REDIS_URL: Redis refuses {why} ({refusal}){hint}")
+
+
+def _check_redis_config(settings: Settings, *, channels: bool = True) -> None:
+    """The start checks of how the Redis of ``SIFT_REDIS_URL`` is configured: Pub/Sub
+    channels for the workers (``channels``), ``noeviction``, and the AOF (warned of only)."""
+    if channels:
+        _require_channels(settings)
+    _require_noeviction(settings)
+    _warn_no_aof(settings)
 
 
 def _require_channels(settings: Settings) -> None:
@@ -747,9 +753,7 @@ def up(
             f"both {settings.gateway_port}: the gateway and the worker's /metrics need one each"
         )
     _require_redis_database(settings)  # a Redis of its own choosing; sift up's own has db 0
-    _require_channels(settings)  # the same: sift up's own user has every channel
-    _require_noeviction(settings)  # the same: sift up's own runs noeviction
-    _warn_no_aof(settings)  # the same: sift up's own keeps its AOF
+    _check_redis_config(settings)  # the same: sift up's own has every channel, noeviction, AOF
     stopping = threading.Event()
     started: LocalStack | None = None
 
