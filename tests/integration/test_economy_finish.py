@@ -31,6 +31,7 @@ from worker.errors import AttemptOutcome, BackendUnavailable, IndexNotFound, Rer
 from worker.observability.metrics import PrometheusRecorder
 from worker.queue.base import WorkerContext
 from worker.queue.economy import finish
+from worker.queue.economy.records import new_run
 from worker.queue.jobstore import BatchJob, JobStore
 from worker.runtime.bootstrap import build_pipeline
 from worker.runtime.inprocess import Runtime
@@ -305,6 +306,23 @@ def test_an_item_prepared_before_an_upgrade_names_the_policy_of_the_prompt_it_wa
     assert grown == {policy: float(policy == expected) for policy in grown}, grown
 
 
+def _without_model(context: WorkerContext, failure_policy: str) -> WorkerContext:
+    """``context`` as a worker with no generation model has it (rerank turned off for good):
+    its economy pipeline of ``failure_policy`` with no reranker, and no Message Batches
+    client."""
+    with_model = context.runtime.economy
+    config = replace(with_model.config, failure_policy=failure_policy)
+    pipeline = with_model.variant(config=config, recorder=with_model.recorder)
+    pipeline.reranker = None
+    return WorkerContext(
+        settings=context.settings,
+        store=context.store,
+        limiter=ProviderLimiter(4),
+        _runtime=SimpleNamespace(economy=pipeline),  # type: ignore[arg-type]
+        _batches=None,
+    )
+
+
 def test_items_never_sent_end_in_the_fused_order_under_fail_open_on_a_worker_without_the_model(
     context: WorkerContext, model: FakeAnthropic, backend: Counted, workers: None
 ) -> None:
@@ -315,23 +333,14 @@ def test_items_never_sent_end_in_the_fused_order_under_fail_open_on_a_worker_wit
     candidate was deleted meanwhile shows it in no hit. (``fail_closed``, the default, is
     driven over a real stack in ``tests/reliability/test_economy_no_model.py``.)"""
     batch, qids = _prepared(context, 3)
-    with_model = context.runtime.economy
-    open_policy = replace(with_model.config, failure_policy="fail_open")
-    pipeline = with_model.variant(config=open_policy, recorder=with_model.recorder)
-    pipeline.reranker = None
+    without_model = _without_model(context, "fail_open")
+    pipeline = without_model.runtime.economy
     fused = [
         [c.document.id for c in load_prepared(pipeline, json.loads(str(raw))).candidates]
         for raw in context.store.economy_get(batch.id, ECONOMY_PREPARED_KEY, qids)
     ]
     deleted = fused[0][0]
     assert backend.inner.delete_documents("docs", "acme", [deleted]) == 1
-    without_model = WorkerContext(
-        settings=context.settings,
-        store=context.store,
-        limiter=ProviderLimiter(4),
-        _runtime=SimpleNamespace(economy=pipeline),  # type: ignore[arg-type]
-        _batches=None,
-    )
     task = _Task(without_model, "submit")
     finish.end_without_model(task, batch, qids)  # type: ignore[arg-type]
     results = context.store.batch_results(batch.id, 0, 3)
@@ -346,3 +355,29 @@ def test_items_never_sent_end_in_the_fused_order_under_fail_open_on_a_worker_wit
         assert result["usage"]["requests"] == 0, result["usage"]
     assert ("batch.completed", {"id": batch.id, "status": "succeeded"}) in task.sent
     assert model.batches() == []
+
+
+@pytest.mark.parametrize("failure_policy", ["fail_closed", "fail_open"])
+def test_an_item_ended_without_the_model_shows_what_its_earlier_rounds_were_billed(
+    context: WorkerContext, workers: None, failure_policy: str
+) -> None:
+    """An item ended for lack of a model shows what earlier rounds of it were billed, as an
+    item the failure policy ends past the deadline (:func:`finish.fail_items`) does, under
+    either policy: under ``fail_open`` its result showed no request (the fused order's
+    ``Usage()``), where ``fail_closed``'s error showed them. (No path today gives an item
+    never sent a billed round, :func:`end_without_model`'s only items: the ending is kept
+    right for the day one does.)"""
+    batch, qids = _prepared(context, 1)
+    [raw] = context.store.economy_get(batch.id, ECONOMY_PREPARED_KEY, qids)
+    billed = new_run(int(json.loads(str(raw))["pos"]))
+    billed.update(attempts=[{"n": 1, "outcome": "malformed"}], usage=[120, 9, 0, 0],
+                  cost_usd=0.0002)  # fmt: skip
+    context.store.economy_save(batch.id, ECONOMY_RUNS_KEY, {qids[0]: json.dumps(billed)})
+    task = _Task(_without_model(context, failure_policy), "submit")
+    finish.end_without_model(task, batch, qids)  # type: ignore[arg-type]
+    [outcome] = context.store.batch_results(batch.id, 0, 1)
+    payload = json.loads(str(outcome.payload))
+    shown = payload["error" if failure_policy == "fail_closed" else "result"]["usage"]
+    expected = {"requests": 1, "input_tokens": 120, "output_tokens": 9}
+    assert {name: shown[name] for name in expected} == expected, payload
+    assert shown["cost_usd"] == pytest.approx(0.0002), payload

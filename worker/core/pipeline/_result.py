@@ -99,19 +99,22 @@ def no_model_result(
     *,
     recorder: Recorder,
     failure_policy: FailurePolicy,
+    billed: Usage | None = None,
 ) -> SearchResult:
     """A rerank asked (``rerank: true``) of a worker with no generation model: the failure
     policy, as for a rerank that failed for good, with the class :data:`NO_MODEL`. The
     gateway that accepted it has a model (it refuses the request without one), so the
     request was valid: the deployment's workers and gateways disagree, which is no fault of
     the client (it was ``invalid_request``). Raises RerankFailed under ``fail_closed``; no
-    model was called, so nothing was billed."""
+    model is called here, so nothing is billed but ``billed``, what earlier calls of the
+    search were (an economy item's earlier rounds), shown as the result's usage or the
+    error's."""
     message = (
         "this worker has no generation model (SIFT_GENERATION_MODEL) to rerank with, "
         "though the gateway that accepted the request has one: the deployment's gateways "
         "and workers must be given the same SIFT_GENERATION_MODEL"
     )
-    failed = RerankFailed(NO_MODEL, message, Usage())
+    failed = RerankFailed(NO_MODEL, message, billed or Usage())
     return _failure_policy(
         failed, None, candidates, spec, trace, figures, recorder, failure_policy, POLICY_ID
     )

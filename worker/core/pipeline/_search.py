@@ -277,13 +277,18 @@ class SearchPipeline:
         return self._second_half(prepared, partial(self._finish, prepared, run), later)
 
     def finish_without_model(
-        self, prepared: Prepared, *, later: list[Callable[[], None]] | None = None
+        self,
+        prepared: Prepared,
+        billed: RerankRun,
+        *,
+        later: list[Callable[[], None]] | None = None,
     ) -> SearchResult:
         """The second half of a prepared search no model can answer here: an economy item
         never sent, its deadline past, on a worker with no generation model (none of the
         pool's may have one any more). The failure policy, as the standard lane answers a
         rerank asked of such a worker (:func:`no_model_result`), on the candidates still
-        stored; nothing was called, so nothing is billed. Raises RerankFailed under
+        stored; nothing is called, so nothing is billed but what ``billed``'s earlier calls
+        were, shown as :meth:`finish` shows a run's. Raises RerankFailed under
         ``fail_closed``; ``later`` as :meth:`finish` takes it."""
         gone = prepared.gone
         live = [c for c in prepared.candidates if c.document.id not in gone]
@@ -296,6 +301,7 @@ class SearchPipeline:
                 figures,
                 recorder=self.recorder,
                 failure_policy=self.config.failure_policy,
+                billed=billed.job_usage(),
             )
 
         return self._second_half(prepared, answer, later)

@@ -214,7 +214,7 @@ def end_without_model(task: SiftTask, batch: BatchJob, query_ids: Sequence[str])
             result, error = None, None
             if isinstance(now, Prepared):
                 try:
-                    result = pipeline.finish_without_model(now, later=later)
+                    result = pipeline.finish_without_model(now, rerank_run(record), later=later)
                 except RerankFailed as exc:
                     error = error_info(exc)
             else:
