@@ -381,3 +381,26 @@ def test_an_item_ended_without_the_model_shows_what_its_earlier_rounds_were_bill
     expected = {"requests": 1, "input_tokens": 120, "output_tokens": 9}
     assert {name: shown[name] for name in expected} == expected, payload
     assert shown["cost_usd"] == pytest.approx(0.0002), payload
+
+
+def test_an_item_ended_without_the_model_names_the_model_its_create_went_to(
+    context: WorkerContext, workers: None
+) -> None:
+    """An item whose create failed outright (a worker of another model tried it, after a
+    deploy) and which then ended for lack of a model names in its trace the model that
+    create went to, as an item :func:`finish.fail_items` ends does (:func:`as_sent`); it
+    named the model of the worker that prepared it."""
+    batch, qids = _prepared(context, 1)
+    [raw] = context.store.economy_get(batch.id, ECONOMY_PREPARED_KEY, qids)
+    prepared = json.loads(str(raw))
+    other = "claude-sonnet-4-5"
+    assert prepared["trace"]["model"] != other  # prepared by a worker of another model
+    tried = new_run(int(prepared["pos"]))
+    tried.update(model=other, policy=POLICY_ID)  # a create made, failed, nothing pending
+    context.store.economy_save(batch.id, ECONOMY_RUNS_KEY, {qids[0]: json.dumps(tried)})
+    task = _Task(_without_model(context, "fail_closed"), "submit")
+    finish.end_without_model(task, batch, qids)  # type: ignore[arg-type]
+    [outcome] = context.store.batch_results(batch.id, 0, 1)
+    error = json.loads(str(outcome.payload))["error"]
+    assert error["type"] == "rerank_failed", error
+    assert error["trace"]["model"] == other, error["trace"]

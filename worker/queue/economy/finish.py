@@ -207,7 +207,7 @@ def end_without_model(task: SiftTask, batch: BatchJob, query_ids: Sequence[str])
     pipeline = economy_pipeline(task)
     items = running_items(task, batch, query_ids)
     while page := list(islice(items, PAGE)):
-        prepared = [load_prepared(pipeline, data) for _, data, _ in page]
+        prepared = [as_sent(load_prepared(pipeline, data), record) for _, data, record in page]
         stored = as_stored_now(pipeline.backend, batch.tenant, prepared)
         for (qid, _, record), item, now in zip(page, prepared, stored, strict=True):
             later: list[Callable[[], None]] = []
