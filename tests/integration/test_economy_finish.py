@@ -404,3 +404,26 @@ def test_an_item_ended_without_the_model_names_the_model_its_create_went_to(
     error = json.loads(str(outcome.payload))["error"]
     assert error["type"] == "rerank_failed", error
     assert error["trace"]["model"] == other, error["trace"]
+
+
+def test_items_ended_without_the_model_on_a_gone_index_count_their_search_alone_once(
+    context: WorkerContext, backend: Counted, workers: None
+) -> None:
+    """Items never sent, ended for lack of a model after their index was dropped, end
+    ``index_not_found`` with no usage and count what a search failing before any model call
+    counts: the search done ``error``, the item failed, and no model answer (none was
+    made: ``SearchPipeline.unfinished`` without a run). Run again, nothing is counted
+    twice."""
+    batch, qids = _prepared(context, 2)
+    assert backend.inner.delete_index("docs", "acme", version=None) > 0
+    before = _figures("deadline")  # what a run with no call would be labelled, if counted
+    task = _Task(_without_model(context, "fail_closed"), "submit")
+    finish.end_without_model(task, batch, qids)  # type: ignore[arg-type]
+    results = context.store.batch_results(batch.id, 0, 2)
+    errors = [json.loads(str(r.payload))["error"] for r in results]
+    assert [(e["type"], e["usage"]) for e in errors] == [("index_not_found", None)] * 2, errors
+    grown = {"search_done": 2, "rerank_done": 0, "items_failed": 2}
+    assert _grown(before, _figures("deadline")) == grown
+    finish.end_without_model(task, batch, qids)  # type: ignore[arg-type]
+    assert _grown(before, _figures("deadline")) == grown
+    assert ("batch.completed", {"id": batch.id, "status": "succeeded"}) in task.sent

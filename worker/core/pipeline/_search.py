@@ -332,7 +332,7 @@ class SearchPipeline:
     def unfinished(
         self,
         prepared: Prepared,
-        run: RerankRun,
+        run: RerankRun | None,
         *,
         later: list[Callable[[], None]] | None = None,
     ) -> None:
@@ -340,17 +340,17 @@ class SearchPipeline:
         cannot be finished: an economy item whose index is gone since its retrieval, or
         whose candidates the backend failed to read. What the standard lane counts for a
         search failing after its model call: the model answer's duration and outcome, and
-        the search done ``error`` (no policy outcome: no policy was applied). ``later`` as
-        :meth:`finish` takes it."""
-        figures = [
-            partial(
-                self.recorder.rerank_done,
-                self._model_of(prepared),
-                answer_outcome(run),
-                run.seconds,
-            ),
-            partial(self.recorder.search_done, prepared.spec.mode, "error", prepared.seconds),
-        ]
+        the search done ``error`` (no policy outcome: no policy was applied). ``run`` None:
+        no model call was made (an economy item never sent, ended on a worker with no model,
+        :meth:`finish_without_model`), the search done alone. ``later`` as :meth:`finish`
+        takes it."""
+        figures: list[Callable[[], None]] = []
+        if run is not None:
+            model, outcome = self._model_of(prepared), answer_outcome(run)
+            figures.append(partial(self.recorder.rerank_done, model, outcome, run.seconds))
+        figures.append(
+            partial(self.recorder.search_done, prepared.spec.mode, "error", prepared.seconds)
+        )
         if later is None:
             _record(figures)
         else:

@@ -85,6 +85,7 @@ def finish_item(
     now: Prepared | SiftError,
     figures: Sequence[Callable[[], None]] = (),
     must_end: bool = False,
+    without_model: bool = False,
 ) -> None:
     """The pipeline's second half for one item, and its final status. ``now`` is
     ``prepared`` on its candidates as stored now (:func:`as_stored_now`), or what that read
@@ -94,21 +95,28 @@ def finish_item(
     again): it then ends failed with that error, its billed usage shown. Its figures of the
     search (and ``figures``, the caller's of the item) are counted once the item is saved,
     finished or not (:meth:`SearchPipeline.unfinished`): a poll dying before that leaves
-    them to the poll finishing it again, once."""
+    them to the poll finishing it again, once. ``without_model``: the item was never sent,
+    and this worker has no model to send it: the failure policy as such a worker answers
+    (:meth:`SearchPipeline.finish_without_model`), ``run`` only what earlier rounds billed,
+    and no model answer to count."""
     pipeline = economy_pipeline(task)
     error: ErrorInfo | None = None
     result = None
     later = list(figures)
     if isinstance(now, Prepared):
         try:
-            result = pipeline.finish(now, run, later=later)
+            if without_model:
+                result = pipeline.finish_without_model(now, run, later=later)
+            else:
+                result = pipeline.finish(now, run, later=later)
         except RerankFailed as exc:
             error = error_info(exc)
     elif isinstance(now, BackendError) and not must_end:
         raise now
     else:  # its calls billed all the same, and counted as a search failing after them
-        error = error_info(now).model_copy(update={"usage": run.job_usage()})
-        pipeline.unfinished(prepared, run, later=later)
+        billed = run.job_usage() if run.attempts else None
+        error = error_info(now).model_copy(update={"usage": billed})
+        pipeline.unfinished(prepared, None if without_model else run, later=later)
     transition = task.context.store.finish_item(batch.id, query_id, result=result, error=error)
     if count_completed("batch_item", transition.applied, error):
         for record in later:
@@ -166,31 +174,59 @@ def _stored(
     return stored
 
 
-def fail_items(
-    task: SiftTask, batch: BatchJob, query_ids: Sequence[str], failure: RerankAttemptError
+#: How :func:`_end_items` ends one running item, given its run record: the run it is
+#: finished on (what its rounds billed, and the failure that ends it) and the figures of
+#: that failure, counted once the item is saved (:func:`finish_item`).
+Ending = Callable[[dict[str, Any]], tuple[RerankRun, list[Callable[[], None]]]]
+
+
+def _end_items(
+    task: SiftTask,
+    batch: BatchJob,
+    query_ids: Sequence[str],
+    ending: Ending,
+    *,
+    without_model: bool = False,
 ) -> None:
-    """Apply the failure policy to running items that could not be sent or polled, a page
-    at a time (their candidates read together: :func:`as_stored_now`). Each item's failed
-    attempt is counted in the metrics once its failure is saved: a task killed between the
-    two, run again, fails the item again, and counted first, it counted the attempt twice
-    (and once for an item another run had finished meanwhile)."""
+    """End these running items, each by ``ending`` and :func:`finish_item` (``must_end``:
+    nothing is left to run them again; ``without_model`` as it takes it), a page at a time,
+    their candidates read together (:func:`as_stored_now`). The lane's two ways of ending
+    the items it gave up on (:func:`fail_items`, :func:`end_without_model`) differ in their
+    ending alone: each item is saved and counted (its metrics, its batch's counts, its
+    usage, the webhook with the batch's last item) as a result mapped to it would be."""
     pipeline = economy_pipeline(task)
     items = running_items(task, batch, query_ids)
     while page := list(islice(items, PAGE)):
-        ending = []
+        ended = []
         for qid, data, record in page:
-            run = rerank_run(record)
-            model = record.get("model")  # the model its request went to, if it was sent
-            cost = pipeline.add_attempt(
-                run, failure.outcome, None, 0.0, model=model, provider_error=True
-            )
-            run.failure = failure
-            counted = partial(pipeline.count_attempt, failure.outcome, None, cost, model)
-            prepared = as_sent(load_prepared(pipeline, data), record)
-            ending.append((qid, prepared, run, counted))
-        stored = as_stored_now(pipeline.backend, batch.tenant, [item for _, item, _, _ in ending])
-        for (qid, prepared, run, counted), now in zip(ending, stored, strict=True):
-            finish_item(task, batch, qid, prepared, run, now=now, figures=[counted], must_end=True)
+            run, figures = ending(record)
+            ended.append((qid, as_sent(load_prepared(pipeline, data), record), run, figures))
+        stored = as_stored_now(pipeline.backend, batch.tenant, [item for _, item, _, _ in ended])
+        for (qid, prepared, run, figures), now in zip(ended, stored, strict=True):
+            finish_item(task, batch, qid, prepared, run, now=now, figures=figures, must_end=True,
+                        without_model=without_model)  # fmt: skip
+
+
+def fail_items(
+    task: SiftTask, batch: BatchJob, query_ids: Sequence[str], failure: RerankAttemptError
+) -> None:
+    """Apply the failure policy to running items that could not be sent or polled
+    (:func:`_end_items`): each item's run gets the failed attempt. That attempt is counted
+    in the metrics once its failure is saved: a task killed between the two, run again,
+    fails the item again, and counted first, it counted the attempt twice (and once for an
+    item another run had finished meanwhile)."""
+    pipeline = economy_pipeline(task)
+
+    def failed(record: dict[str, Any]) -> tuple[RerankRun, list[Callable[[], None]]]:
+        run = rerank_run(record)
+        model = record.get("model")  # the model its request went to, if it was sent
+        cost = pipeline.add_attempt(
+            run, failure.outcome, None, 0.0, model=model, provider_error=True
+        )
+        run.failure = failure
+        return run, [partial(pipeline.count_attempt, failure.outcome, None, cost, model)]
+
+    _end_items(task, batch, query_ids, failed)
 
 
 def end_without_model(task: SiftTask, batch: BatchJob, query_ids: Sequence[str]) -> None:
@@ -200,31 +236,9 @@ def end_without_model(task: SiftTask, batch: BatchJob, query_ids: Sequence[str])
     ``rerank_failed`` naming ``no_generation_model`` under ``fail_closed``, the fused order
     under ``fail_open``), on their candidates as stored now (:func:`as_stored_now`: an index
     gone ends its items ``index_not_found``, a backend failing, with its error, as
-    :func:`fail_items` ends them past the deadline). :func:`fail_items` cannot: it prices a
-    failed call, which needs the model, and no call was made. Without this, a pool with no
-    worker of the model left kept such a batch ``running`` for ever, its submission asked
-    again at the poll's cadence."""
-    pipeline = economy_pipeline(task)
-    items = running_items(task, batch, query_ids)
-    while page := list(islice(items, PAGE)):
-        prepared = [as_sent(load_prepared(pipeline, data), record) for _, data, record in page]
-        stored = as_stored_now(pipeline.backend, batch.tenant, prepared)
-        for (qid, _, record), item, now in zip(page, prepared, stored, strict=True):
-            later: list[Callable[[], None]] = []
-            result, error = None, None
-            if isinstance(now, Prepared):
-                try:
-                    result = pipeline.finish_without_model(now, rerank_run(record), later=later)
-                except RerankFailed as exc:
-                    error = error_info(exc)
-            else:
-                error = error_info(now)
-                later.append(partial(pipeline.recorder.search_done, item.spec.mode, "error",
-                                     item.seconds))  # fmt: skip
-            if error is not None and record["attempts"]:  # what earlier rounds were billed
-                error = error.model_copy(update={"usage": rerank_run(record).job_usage()})
-            transition = task.context.store.finish_item(batch.id, qid, result=result, error=error)
-            if count_completed("batch_item", transition.applied, error):
-                for figure in later:
-                    figure()
-            _item_done(task, batch, transition)
+    :func:`fail_items` ends them past the deadline). :func:`fail_items`' ending cannot serve:
+    it prices a failed call, which needs the model, and no call was made; the loop is the
+    same (:func:`_end_items`). Without this, a pool with no worker of the model left kept
+    such a batch ``running`` for ever, its submission asked again at the poll's cadence."""
+    _end_items(task, batch, query_ids, lambda record: (rerank_run(record), []),
+               without_model=True)  # fmt: skip
