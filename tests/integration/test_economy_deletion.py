@@ -257,6 +257,28 @@ def test_a_delete_refused_for_its_key_is_logged_once_counted_and_not_asked_again
     assert store.redis.keys(f"*{batch_id}*") == [f"sift:erased:{batch_id}"]
 
 
+def test_a_delete_refused_at_a_full_redis_is_kept_aside_whole(store: JobStore) -> None:
+    """Keeping a refused delete aside moves its id in one script: removed from the provider
+    batches to delete, then added to the refused ones. Lua rolls nothing back, so a write
+    refused after the removal would lose the id; at a full Redis (its ``maxmemory``,
+    ``noeviction``) none is: the server refuses only a script's first growing write, and
+    this one's first write is the removal. The move is made whole there, not refused (a
+    script adding first would be: nothing moved, the delete task failing on Redis)."""
+    made = {"round": 1, "requests": 1, "created_at": 1.0, "ended_at": 2.0}
+    batch_id = _erased_batch(store, {"msgbatch_a": made, "msgbatch_b": made})
+    used = int(store.redis.info("memory")["used_memory"])
+    store.redis.config_set("maxmemory", used // 2)
+    try:
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            store.redis.set("probe", "1")  # the refusal is real
+        assert store.provider_refused(batch_id, "msgbatch_a")  # its first refusal
+    finally:
+        store.redis.config_set("maxmemory", 0)
+    assert store.provider_deletions(batch_id) == ["msgbatch_b"]
+    assert store.redis.hkeys(ECONOMY_DELETE_REFUSED_KEY + batch_id) == ["msgbatch_a"]
+    assert store.refused_batches() == [batch_id]
+
+
 def test_a_candidate_of_a_create_in_doubt_judged_ours_is_deleted_with_the_rest(
     store: JobStore,
 ) -> None:

@@ -698,7 +698,10 @@ return 1
 # of refusals (KEYS[3], ARGV[4]) for a starting worker to ask again. A delete's refusal (not a
 # candidate's read) is noted in the batch's refusals counted (KEYS[4]), with the same life.
 # ARGV: 1 the provider id. Returns 2 when moved and its delete refused for the first time (to
-# count), 1 when moved, 0 when it was no longer there.
+# count), 1 when moved, 0 when it was no longer there. Removed before it is recorded, though
+# Lua rolls nothing back: at its maxmemory Redis refuses only a script's first growing write,
+# so the removal going first lets the move be made whole there; recorded first, the script
+# would be refused (test_a_delete_refused_at_a_full_redis_is_kept_aside_whole).
 _DELETE_REFUSED = """
 local life = redis.call('PTTL', KEYS[1])
 local removed
