@@ -137,7 +137,7 @@ def worker(
     """Run Celery workers, for deployment: one process per core by default, each with its
     threads pool, under one process that restarts any that exits and serves their metrics."""
     from worker.queue.base import items_running
-    from worker.queue.celery_app import create_celery_app, warming_up
+    from worker.queue.celery_app import create_celery_app, run_celery_worker, warming_up
 
     overrides: dict[str, Any] = {}
     if concurrency is not None:  # 0 too: a bad value, not the setting's default
@@ -177,11 +177,7 @@ def worker(
         _single_process_metrics(settings)
     # a stop ends even on a Redis that never answers, or under items that do not end
     exit_by_deadline(settings, warming_up, items_running)
-    celery = create_celery_app(settings)
-    celery.worker_main(
-        ["worker", "-n", f"{name}@%h", "-Q", queues, "--loglevel", settings.log_level,
-         "--without-gossip", "--without-mingle"]
-    )  # fmt: skip
+    run_celery_worker(create_celery_app(settings), name, queues.split(","), settings.log_level)
 
 
 def _share_data_dir(settings: Settings) -> IO[str] | None:

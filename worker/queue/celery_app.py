@@ -327,6 +327,20 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
     return celery
 
 
+def run_celery_worker(celery: Celery, name: str, queues: list[str], loglevel: str) -> None:
+    """Run one Celery worker on ``queues`` until it stops: what ``celery worker -n
+    <name>@%h -Q <queues> --without-gossip --without-mingle`` runs, started without Celery's
+    command line, whose import (click-repl, prompt_toolkit) took a quarter of a CPU-second of
+    each worker process's start. Its exit code is Celery's to log, not the process's, as it
+    was through ``worker_main``."""
+    from celery.utils.nodenames import default_nodename, host_format
+
+    celery.Worker(
+        hostname=host_format(default_nodename(f"{name}@%h")), queues=queues, loglevel=loglevel,
+        without_gossip=True, without_mingle=True, no_color=False, quiet=False,
+    ).start()  # fmt: skip
+
+
 _app: Celery | None = None
 
 
