@@ -28,7 +28,7 @@ write moves the shared counter off its ``mark`` and opens the window again.
 
 A version is never below the Redis server's clock in microseconds, so a Redis that comes back
 without the counters still numbers new writes above every one the backend applied (see
-``_NEXT_VERSION``).
+``TAKE_VERSION``).
 """
 
 from __future__ import annotations
@@ -44,39 +44,52 @@ from worker.constants import (
     WRITE_VERSION_TENANT_KEY,
 )
 
-# KEYS[1] the tenant's counter, KEYS[2] the shared counter of earlier releases, KEYS[3] the
-# hash {mark: where this release last left KEYS[2], seen: when an earlier release's write was
-# last noticed}. ARGV[1] the window in seconds. The time is the server's (one clock for all).
-# A version is never below the server's clock in microseconds: the counters live in Redis and
-# the versions applied on disk in the backend, so a Redis that comes back without them (no
-# persistence, or the last second of an AOF ``everysec`` lost with its machine) would number
-# new writes from below what the backend holds, and they would be skipped as stale (an upsert
-# of a version already held even reported as written). The clock has moved past every
-# version handed out before the restart (a counter can lead it only by the writes of one
-# microsecond), so those writes stay the newest.
-_NEXT_VERSION = """
-local last = tonumber(redis.call('GET', KEYS[1]) or '0')
-local shared = tonumber(redis.call('GET', KEYS[2]) or '0')
-local state = redis.call('HMGET', KEYS[3], 'mark', 'seen')
-local mark = tonumber(state[1] or '0')
-local seen = tonumber(state[2] or '0')
-local t = redis.call('TIME')
-local now = tonumber(t[1])
-if shared ~= mark then seen = now end
-local version = math.max(last + 1, shared + 1, now * 1000000 + tonumber(t[2]))
-redis.call('SET', KEYS[1], string.format('%d', version))
-if now - seen < tonumber(ARGV[1]) then
-  shared = version
-  redis.call('SET', KEYS[2], string.format('%d', version))
+# The version, as a Lua function that a script taking one starts with (``_NEXT_VERSION``, and
+# one that writes more in the same step): ``tenant_key`` the tenant's counter, ``shared_key``
+# the shared counter of earlier releases, ``legacy_key`` the hash {mark: where this release
+# last left the shared counter, seen: when an earlier release's write was last noticed},
+# ``window`` the window in seconds. The time is the server's (one clock for all). A version is
+# never below the server's clock in microseconds: the counters live in Redis and the versions
+# applied on disk in the backend, so a Redis that comes back without them (no persistence, or
+# the last second of an AOF ``everysec`` lost with its machine) would number new writes from
+# below what the backend holds, and they would be skipped as stale (an upsert of a version
+# already held even reported as written). The clock has moved past every version handed out
+# before the restart (a counter can lead it only by the writes of one microsecond), so those
+# writes stay the newest.
+TAKE_VERSION = """
+local function take_version(tenant_key, shared_key, legacy_key, window)
+  local last = tonumber(redis.call('GET', tenant_key) or '0')
+  local shared = tonumber(redis.call('GET', shared_key) or '0')
+  local state = redis.call('HMGET', legacy_key, 'mark', 'seen')
+  local mark = tonumber(state[1] or '0')
+  local seen = tonumber(state[2] or '0')
+  local t = redis.call('TIME')
+  local now = tonumber(t[1])
+  if shared ~= mark then seen = now end
+  local version = math.max(last + 1, shared + 1, now * 1000000 + tonumber(t[2]))
+  redis.call('SET', tenant_key, string.format('%d', version))
+  if now - seen < window then
+    shared = version
+    redis.call('SET', shared_key, string.format('%d', version))
+  end
+  redis.call('HSET', legacy_key, 'mark', string.format('%d', shared),
+    'seen', string.format('%d', seen))
+  return version
 end
-redis.call('HSET', KEYS[3], 'mark', string.format('%d', shared), 'seen', string.format('%d', seen))
-return version
 """
+
+# KEYS: the three of :func:`version_keys`. ARGV[1] the window in seconds.
+_NEXT_VERSION = TAKE_VERSION + "return take_version(KEYS[1], KEYS[2], KEYS[3], tonumber(ARGV[1]))"
+
+
+def version_keys(tenant: str) -> list[str]:
+    """The keys a version of ``tenant``'s is taken from, in ``take_version``'s order."""
+    return [WRITE_VERSION_TENANT_KEY + tenant, WRITE_VERSION_KEY, LEGACY_WRITE_VERSION_KEY]
 
 
 def next_write_version(client: redis.Redis, tenant: str) -> int:
     """The tenant's next write version, in one script (the read of the counters and the
     writes can't be split by another write, of this release or an earlier one)."""
-    keys = [WRITE_VERSION_TENANT_KEY + tenant, WRITE_VERSION_KEY, LEGACY_WRITE_VERSION_KEY]
+    keys = version_keys(tenant)
     args = [LEGACY_WRITE_VERSION_WINDOW_SECONDS]
     return int(cast(int, client.eval(_NEXT_VERSION, len(keys), *keys, *args)))
