@@ -29,6 +29,11 @@ write moves the shared counter off its ``mark`` and opens the window again.
 A version is never below the Redis server's clock in microseconds, so a Redis that comes back
 without the counters still numbers new writes above every one the backend applied (see
 ``TAKE_VERSION``).
+
+A job's write (an upsert, a delete, a drop) takes its version in the very script that
+creates and dates its record (the job store's ``_CREATE_WRITE``), so the order of their
+versions is the order they are listed in; the other writes take theirs with
+:func:`next_write_version`.
 """
 
 from __future__ import annotations
@@ -45,17 +50,18 @@ from worker.constants import (
 )
 
 # The version, as a Lua function that a script taking one starts with (``_NEXT_VERSION``, and
-# one that writes more in the same step): ``tenant_key`` the tenant's counter, ``shared_key``
-# the shared counter of earlier releases, ``legacy_key`` the hash {mark: where this release
-# last left the shared counter, seen: when an earlier release's write was last noticed},
-# ``window`` the window in seconds. The time is the server's (one clock for all). A version is
-# never below the server's clock in microseconds: the counters live in Redis and the versions
-# applied on disk in the backend, so a Redis that comes back without them (no persistence, or
-# the last second of an AOF ``everysec`` lost with its machine) would number new writes from
-# below what the backend holds, and they would be skipped as stale (an upsert of a version
-# already held even reported as written). The clock has moved past every version handed out
-# before the restart (a counter can lead it only by the writes of one microsecond), so those
-# writes stay the newest.
+# the job store's ``_CREATE_WRITE``, which creates and dates the job in the same step):
+# ``tenant_key`` the tenant's counter, ``shared_key`` the shared counter of earlier releases,
+# ``legacy_key`` the hash {mark: where this release last left the shared counter, seen: when
+# an earlier release's write was last noticed}, ``window`` the window in seconds. The time is
+# the server's (one clock for all). A version is never below the server's clock in
+# microseconds: the counters live in Redis and the versions applied on disk in the backend, so
+# a Redis that comes back without them (no persistence, or the last second of an AOF
+# ``everysec`` lost with its machine) would number new writes from below what the backend
+# holds, and they would be skipped as stale (an upsert of a version already held even
+# reported as written). The clock has moved past every version handed out before the restart
+# (a counter can lead it only by the writes of one microsecond), so those writes stay the
+# newest.
 TAKE_VERSION = """
 local function take_version(tenant_key, shared_key, legacy_key, window)
   local last = tonumber(redis.call('GET', tenant_key) or '0')

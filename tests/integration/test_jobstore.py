@@ -28,10 +28,12 @@ from worker.constants import (
     IDEMPOTENCY_PENDING_TTL_SECONDS,
     IDEMPOTENCY_TTL_SECONDS,
     INGEST_DOCS_KEY,
+    INGEST_KEY,
     SEARCH_KEY,
     STATS_KEY,
     STATS_UNTRACKED_KEY,
     WEBHOOKS_OWED_KEY,
+    WRITE_VERSION_TENANT_KEY,
 )
 from worker.contract import DocumentIn, ErrorInfo, RerankInfo, SearchResult, SearchSpec, Usage
 from worker.observability.metrics import RETRIEVAL_CHANNELS
@@ -77,6 +79,24 @@ def _lose_the_first_exec_reply(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
         return reply
 
     monkeypatch.setattr(Pipeline, "parse_response", parse_then_break)
+    return broken
+
+
+def _lose_the_first_script_reply(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Break the connection once, after the first script call (``EVALSHA``) reached Redis and
+    its reply was read: the reply is thrown away, as a connection cut then loses it. Answers
+    a flag set once that happened."""
+    real_parse = redis.Redis.parse_response
+    broken = [False]
+
+    def parse_then_break(self: redis.Redis, connection: Any, command: str, **options: Any) -> Any:
+        reply = real_parse(self, connection, command, **options)
+        if command == "EVALSHA" and not broken[0]:
+            broken[0] = True  # the script's reply, read and thrown away
+            raise redis.ConnectionError("reply lost")
+        return reply
+
+    monkeypatch.setattr(redis.Redis, "parse_response", parse_then_break)
     return broken
 
 
@@ -801,30 +821,56 @@ def test_ingests_queued_and_running_are_counted_apart_and_come_back_to_zero(
     assert store.in_flight() == {"queued": 0, "running": 0}
 
 
-def test_an_ingest_is_dated_at_its_commit_not_before_its_write_version(
+def _versions_by_date(store: JobStore, tenant: str) -> list[tuple[str, int]]:
+    """The tenant's ingest-kind jobs as ``GET /v1/ingestions`` orders them, oldest first,
+    each with the write version its record holds (the one its worker applies)."""
+    listed = store.redis.zrange(job_index_key("ingest", tenant), 0, -1)
+    return [(j, int(store.redis.hget(INGEST_KEY + j, "version"))) for j in listed]
+
+
+def test_an_ingest_accepted_while_another_s_documents_travel_is_versioned_as_it_is_listed(
     store: JobStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """As a batch: an ingest dated before its write version was taken (a round trip, or
-    seconds with Redis away) and committed after another ingest made meanwhile was listed
-    below it, on a page a client paging through had not read yet."""
-    from worker.queue.jobstore import ingests
+    """A big ingest of "d" and a small one of "d" accepted while the big one's documents were
+    being sent: the big one took its write version before sending them and was dated after,
+    so the small one held the higher version (its text the one the backend kept) yet was
+    listed as the older write. Whichever is listed newer must hold the higher version."""
+    from redis.connection import Connection
 
-    version = ingests.next_write_version
+    marker = "big-ingest-" + "x" * 16
+    send = Connection.send_packed_command
     made: list[str] = []
 
-    def versioning(client: Any, tenant: str) -> int:
-        taken = version(client, tenant)
-        if not made:  # another ingest made and committed meanwhile
-            made.append("")
-            made[0] = store.create_ingest("acme", "docs", [DocumentIn(id="x", text="t")]).id
-        return taken
+    def sending(self: Connection, command: Any, check_health: bool = True) -> None:
+        parts = command if isinstance(command, list) else [command]
+        if not made and any(marker.encode() in bytes(p) for p in parts):
+            made.append(store.create_ingest("acme", "docs", [DocumentIn(id="d", text="s")]).id)
+        send(self, command, check_health)
 
-    monkeypatch.setattr(ingests, "next_write_version", versioning)
-    slow = store.create_ingest("acme", "docs", [DocumentIn(id="a", text="t")])
-    other = store.get_ingest(made[0])
-    assert other is not None and slow.created_at >= other.created_at
-    stored = store.get_ingest(slow.id)
-    assert stored is not None and stored.created_at == slow.created_at
+    monkeypatch.setattr(Connection, "send_packed_command", sending)
+    big = store.create_ingest("acme", "docs", [DocumentIn(id="d", text=marker * 100_000)])
+    monkeypatch.undo()
+    listed = _versions_by_date(store, "acme")
+    assert [j for j, _ in listed] == [made[0], big.id]  # the big one committed last
+    assert listed[0][1] < listed[1][1], "the newest listed write is not the one that wins"
+    stored = store.get_ingest(big.id)  # what the gateway answered is what the record holds
+    assert stored is not None and stored.version == listed[1][1]
+    assert (big.version, big.created_at) == (stored.version, stored.created_at)
+
+
+def test_an_ingest_is_listed_above_one_dated_ahead_of_redis_s_clock(store: JobStore) -> None:
+    """Redis's clock stepped back (or two ingests in one microsecond): a new ingest, whose
+    write version is above every earlier one's, is dated after the newest ingest listed, not
+    at the clock, which would list it below one it was accepted after."""
+    first = store.create_ingest("acme", "docs", [DocumentIn(id="d", text="t")])
+    ahead = first.created_at + 60.0  # as if dated before the clock went a minute back
+    store.redis.zadd(job_index_key("ingest", "acme"), {first.id: ahead})
+    store.redis.hset(INGEST_KEY + first.id, "created_at", repr(ahead))
+    second = store.create_ingest("acme", "docs", [DocumentIn(id="d", text="u")])
+    assert second.created_at > ahead and second.version is not None
+    assert [j for j, _ in _versions_by_date(store, "acme")] == [first.id, second.id]
+    stored = store.get_ingest(second.id)
+    assert stored is not None and stored.created_at == second.created_at
 
 
 def test_an_ingest_is_dated_after_its_documents_reach_redis(
@@ -868,7 +914,7 @@ def test_an_ingest_s_documents_wait_for_its_commit_with_a_short_ttl(
         raise SystemExit("the gateway died before its commit")
 
     with monkeypatch.context() as patch:
-        patch.setattr(store.redis, "transaction", dead)
+        patch.setattr(store, "_create_write_script", dead)
         with pytest.raises(SystemExit):
             store.create_ingest("acme", "docs", [DocumentIn(id="a", text="t")], enqueue=_msgs)
     (staged,) = store.redis.keys(INGEST_DOCS_KEY + "*")
@@ -880,12 +926,13 @@ def test_an_ingest_s_documents_wait_for_its_commit_with_a_short_ttl(
     assert store.ingest_documents(job.id) == [DocumentIn(id="b", text="t")]
 
 
-def test_an_ingest_multi_whose_reply_was_lost_is_not_written_twice(
+def test_an_ingest_whose_reply_was_lost_is_not_written_twice(
     store: JobStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """As a batch's: the connection breaks after the commit's EXEC reached Redis, and the
-    retry under the WATCH finds the record, writing nothing more."""
-    broken = _lose_the_first_exec_reply(monkeypatch)
+    """As a batch's: the connection breaks after the script that creates the record ran,
+    its reply lost; sent again, it finds the record, writes nothing more (no second message,
+    count, version or index entry), and answers the version and date the record holds."""
+    broken = _lose_the_first_script_reply(monkeypatch)
     job = store.create_ingest("acme", "docs", [DocumentIn(id="a", text="t")], enqueue=_msgs)
     assert broken[0]
     assert (
@@ -893,6 +940,12 @@ def test_an_ingest_multi_whose_reply_was_lost_is_not_written_twice(
     )
     assert store.redis.zcard(job_index_key("ingest", "acme")) == 1
     assert store.ingest_documents(job.id) == [DocumentIn(id="a", text="t")]
+    stored = store.get_ingest(job.id)
+    assert stored is not None and (stored.version, stored.created_at) == (
+        job.version,
+        job.created_at,
+    )
+    assert store.redis.get(WRITE_VERSION_TENANT_KEY + "acme") == str(job.version)
 
 
 def _msgs(job_id: str) -> list[tuple[str, str]]:

@@ -119,10 +119,11 @@ def test_a_job_made_before_redis_went_away_is_answered_not_503(outage: Outage, n
     assert response.headers["location"] == case.location + jobs[0]
 
 
-# what a batch's or an ingest's commit carries: its MULTI, and its record's key
+# what a batch's or an ingest's commit carries: a batch's MULTI, an ingest's script call (it
+# takes the write version and dates the job in one step), and its record's key
 COMMITS = {
-    "a batch": (CASES["a batch's read-back"], BATCH_KEY),
-    "an ingest": (CASES["an ingest's wait"], INGEST_KEY),
+    "a batch": (CASES["a batch's read-back"], (b"MULTI", BATCH_KEY.encode())),
+    "an ingest": (CASES["an ingest's wait"], (b"EVALSHA", INGEST_KEY.encode())),
 }
 
 
@@ -132,13 +133,13 @@ COMMITS = {
 def test_a_job_whose_commit_reply_was_lost_is_answered_once(
     outage: Outage, name: str, down: float
 ) -> None:
-    """The commit (one MULTI: the record, its task messages) ran and its reply was lost with
-    the connection (a network blip at that instant; or a Redis restart, away for ``down``
-    seconds after). Sent again once Redis answers, it finds its record and writes nothing
-    twice; the answer is the one job (a 503 had the client send the request again: a
-    second job)."""
-    case, key = COMMITS[name]
-    outage.proxy.arm(b"MULTI", key.encode(), down_after=down)
+    """The commit (one MULTI, an ingest's one script: the record, its task messages) ran and
+    its reply was lost with the connection (a network blip at that instant; or a Redis
+    restart, away for ``down`` seconds after). Sent again once Redis answers, it finds its
+    record and writes nothing twice; the answer is the one job (a 503 had the client send the
+    request again: a second job)."""
+    case, markers = COMMITS[name]
+    outage.proxy.arm(*markers, down_after=down)
     response = case.send(outage.client)
     assert outage.proxy.fired.is_set(), "no reply was lost"
     jobs = [k.removeprefix(case.prefix) for k in outage.direct.scan_iter(case.prefix + "*")]

@@ -15,10 +15,12 @@ from worker.constants import (
     INGEST_DOCS_TTL_SECONDS,
     INGEST_ID_PREFIX,
     INGEST_KEY,
+    JOB_INDEX_RETENTIONS,
+    LEGACY_WRITE_VERSION_WINDOW_SECONDS,
     STATS_UNTRACKED_KEY,
 )
 from worker.contract import DocumentIn, ErrorInfo, JobStatus
-from worker.queue.jobstore.jobindex import KIND_INGEST, index_job
+from worker.queue.jobstore.jobindex import KIND_INGEST, job_index_key
 from worker.queue.jobstore.records import (
     Enqueue,
     IngestJob,
@@ -29,14 +31,39 @@ from worker.queue.jobstore.records import (
     write_operation,
 )
 from worker.queue.jobstore.store import _StoreCore, resending
-from worker.write_versions import next_write_version
+from worker.write_versions import version_keys
 
 
-def _stage_messages(pipe: redis.client.Pipeline, enqueue: Enqueue | None, job_id: str) -> None:
-    """Queue the job's task messages in the same MULTI as its record (an outbox)."""
-    if enqueue is not None:
-        for key, raw in enqueue(job_id):
-            pipe.lpush(key, raw)
+def _create_write_call(
+    job_id: str,
+    tenant: str,
+    index: str,
+    operation: WriteOperation,
+    documents: int,
+    staged: bool,
+    ttl: int,
+    enqueue: Enqueue | None,
+) -> tuple[list[str], list[str | int]]:
+    """KEYS and ARGV of :data:`~worker.queue.jobstore.scripts._CREATE_WRITE` for a new
+    ingest-kind job: its record's fields but the version and the date (the script's), its
+    documents' key (``staged``: written before), and its task messages."""
+    fields = [
+        "kind", "ingest", "tenant", tenant, "index", index, "status", JobStatus.QUEUED.value,
+        "documents", str(documents), "operation", operation,
+    ]  # fmt: skip
+    messages = list(enqueue(job_id)) if enqueue is not None else []
+    keys = [
+        INGEST_KEY + job_id,
+        INGEST_DOCS_KEY + job_id,
+        ACTIVE_JOBS_KEY,  # watched by the re-drive
+        STATS_UNTRACKED_KEY,  # its moves count from here
+        job_index_key(KIND_INGEST, tenant),
+        *version_keys(tenant),
+        *(key for key, _ in messages),
+    ]
+    args: list[str | int] = ["1" if staged else "0", INGEST_DOCS_TTL_SECONDS]
+    args += [ttl * JOB_INDEX_RETENTIONS, LEGACY_WRITE_VERSION_WINDOW_SECONDS, job_id, len(fields)]
+    return keys, args + fields + [raw for _, raw in messages]
 
 
 def _ingest_of(job_id: str, raw: dict[str, str]) -> IngestJob | None:
@@ -88,62 +115,43 @@ class IngestRecords(_StoreCore):
         order in which writes were accepted, which the backend keeps per id, so the write
         accepted last wins whichever worker runs it first (:mod:`worker.core.catalog`).
 
-        Its documents (up to 32 MB) go first, on their own (:meth:`_stage_documents`); the
-        commit is then a small MULTI, dated as it is sent. Dated before the documents went
-        over the wire (tens of milliseconds), a job committed meanwhile was dated after it
-        yet listed first, and a client paging through met the ingest on a page below."""
-        job = IngestJob(
-            id=_new_id(INGEST_ID_PREFIX),
+        Its documents (up to 32 MB) go first, on their own (:meth:`_stage_documents`); one
+        small script then takes its version and dates it as it creates its record
+        (:data:`~worker.queue.jobstore.scripts._CREATE_WRITE`). Dated before the documents
+        went over the wire (tens of milliseconds), a job committed meanwhile was dated after
+        it yet listed first, and a client paging through met the ingest on a page below;
+        versioned before them, a job accepted meanwhile took the higher version, so its text
+        won, yet was listed below the ingest it had overridden."""
+        job_id = _new_id(INGEST_ID_PREFIX)
+        if payload is not None:
+            self._stage_documents(INGEST_DOCS_KEY + job_id, payload)
+        keys, args = _create_write_call(
+            job_id,
+            tenant,
+            index,
+            operation,
+            documents,
+            payload is not None,
+            self.result_ttl,
+            enqueue,
+        )
+        # a reply lost with the connection: redis-py sends the script again, which finds the
+        # record and answers what it holds (sent again blindly, or answered 503, it made a
+        # second job: the client retried). Redis away then: a few seconds of resending
+        reply = resending()(self._create_write_script, keys=keys, args=args)
+        if reply is None:  # Redis came back without them
+            raise redis.ConnectionError(f"ingest {job_id}: its documents were lost")
+        version, created_at = cast(list[str], reply)
+        return IngestJob(
+            id=job_id,
             tenant=tenant,
             index=index,
             status=JobStatus.QUEUED,
             documents=documents,
-            created_at=_now(),
+            created_at=float(created_at),
             operation=operation,
-            version=next_write_version(self.redis, tenant),
+            version=int(version),
         )
-        key = INGEST_KEY + job.id
-        docs = INGEST_DOCS_KEY + job.id
-        if payload is not None:
-            self._stage_documents(docs, payload)
-
-        def commit(pipe: redis.client.Pipeline) -> None:
-            # under a WATCH of the record: a MULTI whose reply was lost with the connection
-            # makes redis-py run this again, which finds the record and writes nothing twice
-            # (sent again blindly, or answered 503, it made a second job: the client retried)
-            if pipe.exists(key):
-                return
-            if payload is not None and not pipe.exists(docs):  # Redis came back without them
-                pipe.unwatch()
-                raise redis.ConnectionError(f"ingest {job.id}: its documents were lost")
-            # dated at its commit, as a batch: newest first, an ingest committed after
-            # another is listed above it (its version was taken and its documents sent
-            # before, a round trip each)
-            job.created_at = _now()
-            pipe.multi()
-            if payload is not None:
-                pipe.expire(docs, INGEST_DOCS_TTL_SECONDS)  # kept now for its ingest task
-            pipe.hset(
-                key,
-                mapping={
-                    "kind": "ingest",
-                    "tenant": tenant,
-                    "index": index,
-                    "status": job.status.value,
-                    "documents": str(job.documents),
-                    "created_at": repr(job.created_at),
-                    "operation": operation,
-                    "version": str(job.version),
-                },
-            )
-            # no TTL until its end: a job not final never expires (scripts._TRANSITION_JOB)
-            pipe.zadd(ACTIVE_JOBS_KEY, {job.id: job.created_at})  # watched by the re-drive
-            pipe.hincrby(STATS_UNTRACKED_KEY, "queued", 1)  # its moves count from here
-            index_job(pipe, KIND_INGEST, tenant, job.id, job.created_at, self.result_ttl)
-            _stage_messages(pipe, enqueue, job.id)
-
-        resending()(self.redis.transaction, commit, key)  # Redis away then: a few seconds
-        return job
 
     def _stage_documents(self, docs_key: str, payload: str) -> None:
         """Write a new ingest's documents before its record, living

@@ -3,7 +3,7 @@
 Why. ``GET /v1/searches`` (and batches, ingestions) lists a tenant's jobs newest first without
 scanning Redis's keyspace: one zset per kind and tenant (``sift:jobs:<kind>:<tenant>``), job id
 -> creation time. A job joins it in the very write that creates its record (the search's Lua
-script, the batch's and the ingest's ``MULTI``), so a listed id always had a record; a record
+script, the ingest's script, the batch's ``MULTI``), so a listed id always had a record; a record
 expires on its own (its TTL), and the reads (:mod:`~worker.queue.jobstore.listing`) drop the
 members whose record is gone. The index keeps members ``JOB_INDEX_RETENTIONS`` retention
 periods at most and expires as long after its newest job, so a tenant that never lists its

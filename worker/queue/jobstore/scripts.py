@@ -6,6 +6,8 @@ They are plain sources here; :class:`~worker.queue.jobstore.store._StoreCore` re
 
 from __future__ import annotations
 
+from worker.write_versions import TAKE_VERSION
+
 # KEYS: record, stats, active, webhooks owed, then the job's re-drive bookkeeping (its outage
 # notes, its re-drive count, a batch's positions' counts: RE_DRIVE_KEYS in store.py). ARGV: to,
 # allowed-from (comma list), ttl, now,
@@ -285,6 +287,49 @@ if #KEYS > 4 + m then
 end
 return 1
 """
+
+# A new ingest-kind job (an upsert, a delete or a drop), its write version taken and its date
+# read in this one step: the version orders the writes in the backend (the one accepted last
+# wins, worker/core/catalog.py), the date orders GET /v1/ingestions, and taken apart (the
+# version, then the documents sent, then the date) an ingest accepted while a big one's
+# documents were on the wire took the higher version but the earlier date: listed below the
+# write it overrode. The date is Redis's clock (the shared one, worker/clock.py), after the
+# newest ingest the tenant's index lists (a clock stepped back, or two in one microsecond,
+# must not list it below one it was accepted after).
+# KEYS: 1 record, 2 its documents (staged before: ARGV[1] '1'; none for a drop), 3 the active
+# set, 4 the ingests' counts (STATS_UNTRACKED_KEY), 5 the tenant's ingest index, 6-8 the
+# tenant's version keys (write_versions.version_keys), then one list per task message.
+# ARGV: 1 '1' when it has documents, 2 their TTL once kept, 3 the index's TTL, 4 the version
+# window, 5 the job id, 6 the record's field count n, n fields and values, the raw messages.
+# The record takes no TTL: its final move gives it its retention (_TRANSITION_JOB).
+# Returns {version, created_at}: the new job's; or, the record there already (this very call
+# ran before: a retry after a lost reply), the ones it holds, nothing written again. False
+# when its documents are gone (a Redis that came back without them), nothing written.
+_CREATE_WRITE = (
+    TAKE_VERSION
+    + """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return redis.call('HMGET', KEYS[1], 'version', 'created_at')
+end
+if ARGV[1] == '1' and redis.call('EXISTS', KEYS[2]) == 0 then return false end
+local version = string.format('%d', take_version(KEYS[6], KEYS[7], KEYS[8], tonumber(ARGV[4])))
+local t = redis.call('TIME')
+local at = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local newest = redis.call('ZREVRANGE', KEYS[5], 0, 0, 'WITHSCORES')[2]
+if newest then at = math.max(at, math.floor(tonumber(newest) * 1000000 + 0.5) + 1) end
+local created = string.format('%d.%06d', math.floor(at / 1000000), at % 1000000)
+local n = tonumber(ARGV[6])
+redis.call('HSET', KEYS[1], 'created_at', created, 'version', version, unpack(ARGV, 7, 6 + n))
+if ARGV[1] == '1' then redis.call('EXPIRE', KEYS[2], tonumber(ARGV[2])) end
+redis.call('ZADD', KEYS[3], created, ARGV[5])
+redis.call('HINCRBY', KEYS[4], 'queued', 1)
+redis.call('ZADD', KEYS[5], created, ARGV[5])
+redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', tonumber(created) - tonumber(ARGV[3]))
+redis.call('EXPIRE', KEYS[5], tonumber(ARGV[3]))
+for i = 9, #KEYS do redis.call('LPUSH', KEYS[i], ARGV[i - 2 + n]) end
+return {version, created}
+"""
+)
 
 # Claim an Idempotency-Key for one request. KEYS: the key's record. ARGV: the pending
 # marker, its TTL, the claim's token (in the marker as "by"), a bound key's TTL. Returns the

@@ -63,6 +63,7 @@ from worker.queue.jobstore.scripts import (
     _COUNT_DELIVERY,
     _COUNT_REDRIVES,
     _CREATE_SEARCH,
+    _CREATE_WRITE,
     _DELETE_REFUSED,
     _ECONOMY_EXPECT,
     _ECONOMY_LEASE,
@@ -180,6 +181,7 @@ class _StoreCore:
         self._transition_item = client.register_script(_TRANSITION_ITEM)
         self._cancel_batch = client.register_script(_CANCEL_BATCH)
         self._create_search = client.register_script(_CREATE_SEARCH)
+        self._create_write_script = client.register_script(_CREATE_WRITE)
         self._claim_idempotency = client.register_script(_CLAIM_IDEMPOTENCY)
         self._release_idempotency = client.register_script(_RELEASE_IDEMPOTENCY)
         self._claim_run = client.register_script(_CLAIM_RUN)
