@@ -44,7 +44,13 @@ from worker.contract import DocumentIn, SearchSpec
 from worker.core.pipeline import WAIT_CHECK_SECONDS, SearchPipeline
 from worker.core.ports import Recorder
 from worker.core.types import RerankPrompt, TokenUsage
-from worker.errors import AttemptOutcome, HandedBack, RerankAttemptError, RerankFailed
+from worker.errors import (
+    AttemptOutcome,
+    Canceled,
+    HandedBack,
+    RerankAttemptError,
+    RerankFailed,
+)
 from worker.observability.metrics import PrometheusRecorder
 from worker.runtime.bootstrap import build_batch_client, build_pipeline, build_rate_budget
 from worker.runtime.inprocess import Runtime
@@ -468,6 +474,85 @@ def test_a_batch_item_s_wait_for_its_reservation_ends_when_its_worker_stops(
     assert fake.requests() == []
     after = request_wait(client, budget.key, rpm=2)(redis_now(client))
     assert after <= before  # given back: a reservation held would add 30 s
+
+
+def test_a_batch_item_s_wait_on_the_breaker_ends_when_its_worker_stops(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    """While the provider fails (a 5xx opened the breaker, for its retry-after of 20 s), a
+    batch item's wait for it asks its check every second: its worker's stop, begun during
+    the first second, ends the wait there, nothing sent. Slept in one piece, it held the
+    stopping worker for the whole opening (up to the search's deadline)."""
+    clock = FakeClock()
+    pipeline, budget = build(
+        fake, client, "fail_closed", RateLimit(rpm=1_000), RecordingRecorder(),
+        deadline=120.0, clock=clock, sleep=clock.sleep,
+    )  # fmt: skip
+    budget.trip(20.0)
+
+    def stopping(billed: object) -> None:
+        if clock.sleeps:
+            raise HandedBack("the worker is stopping")
+
+    spec = SearchSpec(index="docs", query="volcano ash", limit=5)
+    with pytest.raises(HandedBack):
+        pipeline.search(spec, "acme", stopping)
+    assert clock.sleeps == [WAIT_CHECK_SECONDS]
+    assert fake.requests() == []
+
+
+def test_a_batch_item_s_wait_on_a_pause_begun_meanwhile_ends_when_its_worker_stops(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    """A call granted with a wait that then waits out a 429's pause another process met
+    meanwhile (30 s) asks its check every second of that pause too: its worker's stop ends
+    it there, nothing sent, and its reservation goes back whole. Slept in one piece, the
+    pause held the stopping worker up to a minute."""
+    clock = FakeClock()
+    pipeline, budget = build(
+        fake, client, "fail_closed", RateLimit(rpm=60), RecordingRecorder(), deadline=120.0,
+        clock=clock, sleep=_paused_while_waiting(client, 30.0, clock),
+    )  # fmt: skip
+    exhaust(budget)  # the next request frees in about a second
+
+    def stopping(billed: object) -> None:  # the stop began in the pause's first second
+        if len(clock.sleeps) >= 2:
+            raise HandedBack("the worker is stopping")
+
+    spec = SearchSpec(index="docs", query="volcano ash", limit=5)
+    with pytest.raises(HandedBack):
+        pipeline.search(spec, "acme", stopping)
+    wait, held = clock.sleeps
+    assert 0 < wait <= 1.0 + 1e-6 and held == WAIT_CHECK_SECONDS
+    assert fake.requests() == []
+    other = RedisRateBudget(client, MODEL, RateLimit(rpm=60))
+    client.hset(budget.key, "pause", 0)  # the pause over: what the bucket holds is left
+    assert other.reserve(PROMPT, max_wait=0.0).admitted  # given back: a request is there
+
+
+def test_a_cancel_during_a_429_s_retry_after_is_seen_within_a_second(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    """The back-off between attempts (here a 429's ``retry-after`` of 20 s, which the retry
+    honours) asks a batch item's check every second: a cancel that comes during it stops the
+    search then, the retry not sent. Slept in one piece (tenacity's wait), it was seen only
+    once the 20 s were over."""
+    clock = FakeClock()
+    pipeline, _ = build(
+        fake, client, "fail_closed", RateLimit(rpm=1_000), RecordingRecorder(),
+        deadline=120.0, clock=clock, sleep=clock.sleep,
+    )  # fmt: skip
+    fake.script([fa.status(429, retry_after=20)])
+
+    def canceled(billed: object) -> None:  # the cancel came during the first second
+        if clock.sleeps:
+            raise Canceled("the batch was canceled")
+
+    spec = SearchSpec(index="docs", query="volcano ash", limit=5)
+    with pytest.raises(Canceled):
+        pipeline.search(spec, "acme", canceled)
+    assert clock.sleeps == [WAIT_CHECK_SECONDS]
+    assert len(fake.requests()) == 1  # the 429'd one: the retry was not sent
 
 
 def test_the_wait_on_the_breaker_is_counted_in_the_budget_wait_metric(

@@ -38,12 +38,14 @@ import httpx
 import pytest
 import redis
 
+from tests import fake_anthropic as fa
 from tests.fake_anthropic import FakeAnthropic
 from tests.integration.slow_receivers import slow_receiver
 from tests.reliability.support import (
     ACME,
     INDEX,
     Receiver,
+    all_results,
     assert_batch_exactly_once,
     batch_counts,
     broker_state,
@@ -344,6 +346,50 @@ def test_sigterm_hands_back_the_items_waiting_for_the_rate_budget(
             wait_finished(client, url, batch_id, RECOVERY_WINDOW)
         assert_batch_exactly_once(client, url, batch_id, total)
         assert model_calls(model) == Counter({f"q{i:05d}": 1 for i in range(total)})
+        lost = redis.Redis.from_url(url, decode_responses=True)
+        try:  # a clean hand-back is no lost run: nothing counts toward the poison limit
+            assert lost.hgetall(BATCH_LOST_KEY + batch_id) == {}
+        finally:
+            lost.close()
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_hands_back_an_item_waiting_out_a_429_s_retry_after(
+    tmp_path: Path, shared: RecoveryStack
+) -> None:
+    """SIGTERM while a batch item waits out the ``retry-after`` (20 s, within the default
+    30 s deadline) of the 429 its model call met: the wait ends within a second, the retry
+    is not sent, and the item goes back with its chunk (the warm shutdown ends at once, no
+    run counted lost). The 429 was refused before the model read a token, so nothing was
+    billed; it is kept with the item's claim, which stays ``running`` as a retry keeping
+    calls does, and the next worker's run shows it in the item's usage beside its own call.
+    Before, the retry-after was one sleep: the stop waited it out and sent the retry from the
+    stopping worker, or was cut off at its stop deadline (counted lost)."""
+    retry_after = 20
+    soft_shutdown = Settings(_env_file=None).worker_soft_shutdown_seconds  # type: ignore[call-arg]
+    with (
+        FakeAnthropic(delay=MODEL_SECONDS) as model,
+        recovery_stack(shared) as (url, env, client),
+    ):
+        env = {**env, "ANTHROPIC_BASE_URL": model.url}
+        model.script([fa.status(429, retry_after=retry_after)])
+        with worker(tmp_path / "w", env, "a") as worker_a:
+            ingest(client)
+            batch_id = submit(client, 1)
+            wait_for(lambda: model.counts()["received"] >= 1, "the item's call refused")
+            worker_a.send_signal(signal.SIGTERM)
+            code = worker_a.wait(3 * soft_shutdown)
+        log = (tmp_path / "w" / "a.log").read_text(errors="replace")
+        assert "not stopped" not in log and code == 0, (code, log[-2000:])
+        assert "1 items handed back" in log, log[-2000:]
+        assert model.counts()["received"] == 1  # the retry was not sent by the stopping worker
+        assert item_statuses(url, batch_id) == {"q00000": "running"}  # keeping its 429
+        with worker(tmp_path / "w", env, "b"):
+            wait_finished(client, url, batch_id, RECOVERY_WINDOW)
+        assert_batch_exactly_once(client, url, batch_id, 1)
+        assert model_calls(model) == Counter({"q00000": 2})  # the 429'd call, then B's
+        [line] = all_results(client, batch_id)
+        assert line["result"]["usage"]["requests"] == 2, line  # both shown
         lost = redis.Redis.from_url(url, decode_responses=True)
         try:  # a clean hand-back is no lost run: nothing counts toward the poison limit
             assert lost.hgetall(BATCH_LOST_KEY + batch_id) == {}

@@ -228,6 +228,19 @@ def _billed(error: ErrorInfo, answer: str) -> ErrorInfo:
     return error.model_copy(update={"usage": kept})
 
 
+def _unbilled(usage: Usage | None) -> bool:
+    """Whether ``usage`` (a run's, or a dead run's kept) read no token: no call sent, or each
+    refused before the model read one (a 429, a 529), which the provider bills nothing for.
+
+    >>> _unbilled(None), _unbilled(Usage(requests=2)), _unbilled(Usage(requests=1, input_tokens=9))
+    (True, True, False)
+    """
+    if usage is None:
+        return True
+    tokens = usage.input_tokens + usage.output_tokens
+    return tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens == 0
+
+
 def _retry_fits(claim: RunClaim, deadline: float) -> bool:
     """Whether a task retry would have any of the search's one deadline left to run in: a
     retry runs in what is left of it, never in a deadline of its own (the wait before the
@@ -242,9 +255,12 @@ class _ModelCheck:
     view of the batch's cancel mark (:class:`CancelMarks`, no round trip of its own most of
     the time) says canceled, one job-store transition (:meth:`JobStore.check_item`) cancels
     the item, atomically, and the search stops (``stopped`` says how it ended). If instead
-    the worker is stopping (``stopping``) and the item has sent nothing, nor any run before
-    it, the search stops with :class:`HandedBack`: it goes back to its chunk. It is asked
-    before the first call too, and every second of a wait for the rate budget."""
+    the worker is stopping (``stopping``) and no call of the item was billed (none sent, or
+    each refused before a token was read: a 429, a 529), by this run or any before it, the
+    search stops with :class:`HandedBack`: it goes back to its chunk (``kept``: this run had
+    sent calls, kept in its claim for the run that takes it on). It is asked before the
+    first call too, and every second of any wait before a call (the rate budget, the
+    provider's outage, a 429's pause, the back-off between attempts)."""
 
     store: JobStore
     marks: CancelMarks
@@ -253,13 +269,15 @@ class _ModelCheck:
     stopping: Callable[[], bool] | None = None
     stopped: ItemTransition | None = None
     billed: Usage | None = None  # a dead run's kept answer (for other candidates): paid
+    kept: bool = False
 
     def __call__(self, billed: Usage | None) -> None:
         """``billed``: what this run's model calls were billed so far (the check runs again
         before each retry), on the canceled record with a dead run's kept answer's."""
         if self.marks.canceled(self.batch_id):
             self._cancel(billed)
-        elif billed is None and self.billed is None and self.stopping and self.stopping():
+        elif _unbilled(billed) and _unbilled(self.billed) and self.stopping and self.stopping():
+            self.kept = billed is not None
             raise HandedBack(f"item {self.query_id} stopped before its model call")
 
     def _cancel(self, billed: Usage | None) -> None:
@@ -402,8 +420,8 @@ class _ChunkItems:
                 return self._run_standard(item, item_claim, checked, waited)
         except Canceled:  # canceled before its model call, or finished by another delivery
             return checked.stopped if checked.stopped and checked.stopped.applied else None
-        except HandedBack:  # the worker is stopping, and the item sent nothing: it goes back
-            return self._handed_back(item, item_claim)
+        except HandedBack:  # the worker is stopping, and nothing was billed: it goes back
+            return self._handed_back(item, item_claim, checked.kept)
         except RunTakenOver:  # while it waited for its CPU slot: the run holding it finishes
             log.info("batch %s item %s: another run took it over", self.batch_id, item.query_id)
             return None
@@ -504,14 +522,18 @@ class _ChunkItems:
         )
         return _with_queue_wait(result, waited), None
 
-    def _handed_back(self, item: BatchItem, item_claim: RunClaim | None) -> RunOutcome:
+    def _handed_back(
+        self, item: BatchItem, item_claim: RunClaim | None, kept: bool = False
+    ) -> RunOutcome:
         """An item stopped before its model call because its worker is stopping: queued
         again, its claim let go (the run ended cleanly: no run lost, none counted toward the
         poison limit), for the worker that takes the chunk's message next. Its reservation
         and its place in the budget's queue were given back where it stopped. Left waiting,
-        it held the stop up to its deadline, and the worker exited as after a crash."""
+        it held the stop up to its deadline, and the worker exited as after a crash. One
+        whose claim keeps calls (``kept``: this run's refused ones; or an earlier run's)
+        stays running, as a retry of it does: a cancel meanwhile shows them."""
         store, batch_id = self.store, self.batch_id
-        if item_claim is None or not item_claim.answer:  # one that kept an answer stays running
+        if item_claim is None or not (item_claim.answer or kept):  # else it stays running
             store.requeue_item(batch_id, item.query_id)
         if item_claim is not None:
             store.release_item(batch_id, item.query_id, item_claim)

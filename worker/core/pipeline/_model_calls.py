@@ -41,9 +41,10 @@ def _transient_4xx(error: RerankAttemptError) -> bool:
 # to stop there.
 BeforeModel = Callable[[Usage | None], None]
 
-# How often a wait for the rate budget (a batch item's pacing, an attempt's reservation)
-# asks whether to go on waiting: a cancel, or the worker's stop, ends it this much later at
-# most, where it waited out its whole reservation (up to the search's deadline) first.
+# How often a batch item's wait before a model call (its pacing, its reservation, the
+# provider's outage, a 429's pause, the back-off between attempts) asks whether to go on
+# waiting: a cancel, or the worker's stop, ends it this much later at most, where it waited
+# out the whole wait (up to the search's deadline) first.
 WAIT_CHECK_SECONDS = 1.0
 
 
@@ -122,11 +123,13 @@ class ModelCalls:
     ) -> RerankRun:
         """The standard lane's model call: attempts under the retry budget and the deadline.
         ``check`` runs before each attempt after the first (a back-off lies between) and
-        after each wait for the rate budget, with what the run was billed so far; it may
-        raise :class:`~worker.errors.Canceled`, which ends the call there (a budget
-        reservation not used is given back). ``on_billed`` hears the run so far after each
-        failed attempt that reported usage (billed, to be retried): where a run keeps it
-        past its process."""
+        every :data:`WAIT_CHECK_SECONDS` of each wait before one (:meth:`_wait`), with what
+        the run was billed so far; it may raise :class:`~worker.errors.Canceled` or
+        :class:`~worker.errors.HandedBack`, which end the call there (a budget reservation
+        not used is given back). ``on_billed`` hears the run so far after each failed
+        attempt that reported usage (billed, to be retried): where a run keeps it past its
+        process; and, the call handed back, its attempts refused unbilled, for the run that
+        takes the item on to show."""
         assert self.reranker is not None
         run = RerankRun()
         started = self.clock()
@@ -136,10 +139,14 @@ class ModelCalls:
                 deadline=deadline,
                 max_attempts=self.config.max_requests,
                 attempt_timeout=self.config.attempt_timeout_seconds,
-                sleep=self.sleep,
+                sleep=lambda seconds: self._wait(seconds, run, check),  # the back-off
             )
         except (RerankAttemptError, DeadlineExceeded) as error:
             run.failure = error
+        except HandedBack:  # its attempts so far were refused, unbilled: the next run shows them
+            if on_billed is not None and _billed(run) is not None:
+                on_billed(run)
+            raise
         run.seconds = self.clock() - started
         return run
 
@@ -255,7 +262,7 @@ class ModelCalls:
             grant = self.rate_budget.reserve(prompt, max_wait)
             if grant.admitted or not grant.shut or grant.wait > max_wait:
                 break
-            self.sleep(grant.wait)
+            self._wait(grant.wait, run, check)
             shut += grant.wait
             if check is not None:
                 check(_billed(run))
@@ -268,7 +275,7 @@ class ModelCalls:
             self._exhausted(run, deadline, shut + grant.wait, f"{what} in {grant.wait:.1f}s")
         waited = shut + grant.wait
         if grant.wait > 0:
-            self._wait_reserved(grant, run, check)
+            self._wait_reserved(grant, grant.wait, run, check)
             # a 429 another process met meanwhile pauses this call too: sent now, it would
             # meet the provider's 429 itself
             held = self.rate_budget.paused_for()
@@ -276,26 +283,35 @@ class ModelCalls:
                 self.rate_budget.settle(grant, TokenUsage(), sent=False, closes=False)
                 self._exhausted(run, deadline, waited + held, f"a 429's pause ends in {held:.1f}s")
             if held > 0:
-                self.sleep(held)
+                self._wait_reserved(grant, held, run, check)
                 waited += held
         return grant, waited
 
-    def _wait_reserved(self, grant: BudgetGrant, run: RerankRun, check: BeforeModel | None) -> None:
-        """Wait out ``grant``'s wait, asking ``check`` every :data:`WAIT_CHECK_SECONDS` (the
-        caller asks it once more at the end): a cancel, or the worker's stop, that comes
-        meanwhile ends the wait then, the reservation given back whole (nothing was sent).
-        Slept in one piece, a stopping worker's items held its stop up to their deadline. A
-        search with no check (an interactive one) sleeps it in one piece."""
-        left = grant.wait
+    def _wait_reserved(
+        self, grant: BudgetGrant, seconds: float, run: RerankRun, check: BeforeModel | None
+    ) -> None:
+        """:meth:`_wait` for ``seconds`` holding ``grant``: a cancel, or the worker's stop,
+        that ends the wait gives the reservation back whole (nothing was sent)."""
         try:
-            while check is not None and left > WAIT_CHECK_SECONDS:
-                self.sleep(WAIT_CHECK_SECONDS)
-                left -= WAIT_CHECK_SECONDS
-                check(_billed(run))
+            self._wait(seconds, run, check)
         except BaseException:
             assert self.rate_budget is not None
             self.rate_budget.settle(grant, TokenUsage(), sent=False, closes=False)
             raise
+
+    def _wait(self, seconds: float, run: RerankRun, check: BeforeModel | None) -> None:
+        """Wait ``seconds`` before an attempt (for the rate budget, the provider's outage, a
+        429's pause, the back-off between attempts), asking ``check`` every
+        :data:`WAIT_CHECK_SECONDS` (the caller asks it once more at the end): a cancel, or the
+        worker's stop, that comes meanwhile ends the wait then. Slept in one piece, a cancel
+        was seen only at its end and a stopping worker's items held its stop up to their
+        deadline, cut off there as after a crash. A search with no check (an interactive one)
+        sleeps it in one piece."""
+        left = seconds
+        while check is not None and left > WAIT_CHECK_SECONDS:
+            self.sleep(WAIT_CHECK_SECONDS)
+            left -= WAIT_CHECK_SECONDS
+            check(_billed(run))
         self.sleep(left)
 
     def _exhausted(self, run: RerankRun, deadline: Deadline, waited: float, why: str) -> NoReturn:

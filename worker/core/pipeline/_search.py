@@ -139,8 +139,8 @@ class SearchPipeline:
         none is needed), and again before each later attempt and after each wait for the
         rate budget (:meth:`ModelCalls.call`); it may raise :class:`~worker.errors.Canceled`
         to stop there (a batch item whose batch was canceled meanwhile, even while it waited
-        out a 429), or :class:`~worker.errors.HandedBack` (its worker is stopping, and it has
-        sent nothing), and the search is then not counted as done.
+        out a 429), or :class:`~worker.errors.HandedBack` (its worker is stopping, and it was
+        billed nothing), and the search is then not counted as done.
         ``spent``: the deadline's seconds earlier runs of this search used (a retry runs in
         what is left of the one deadline). ``answers``: told when the run holds its CPU slot,
         where its deadline starts (:meth:`AnswerKeeper.slot_held`, which raises
