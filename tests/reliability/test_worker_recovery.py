@@ -61,6 +61,7 @@ from worker.constants import (
     BATCH_ITEMS_KEY,
     BATCH_LOST_KEY,
     BATCH_QUEUE,
+    BATCH_RUNS_KEY,
     DELIVERY_OWNERS_KEY,
     KOMBU_UNACKED_KEY,
     SEARCH_KEY,
@@ -364,7 +365,11 @@ def test_sigterm_hands_back_an_item_waiting_out_a_429_s_retry_after(
     billed; it is kept with the item's claim, which stays ``running`` as a retry keeping
     calls does, and the next worker's run shows it in the item's usage beside its own call.
     Before, the retry-after was one sleep: the stop waited it out and sent the retry from the
-    stopping worker, or was cut off at its stop deadline (counted lost)."""
+    stopping worker, or was cut off at its stop deadline (counted lost). The run handed back
+    charges none of the search's one deadline: its claim was let go with its time added (its
+    retrieval, the call refused, its wait until the stop), so each rolling restart took that
+    much from the next run's deadline, a reservation it then could not wait for
+    (``budget_exhausted``: the hits not reranked), or none left at all."""
     retry_after = 20
     soft_shutdown = Settings(_env_file=None).worker_soft_shutdown_seconds  # type: ignore[call-arg]
     with (
@@ -384,6 +389,12 @@ def test_sigterm_hands_back_an_item_waiting_out_a_429_s_retry_after(
         assert "1 items handed back" in log, log[-2000:]
         assert model.counts()["received"] == 1  # the retry was not sent by the stopping worker
         assert item_statuses(url, batch_id) == {"q00000": "running"}  # keeping its 429
+        claims = redis.Redis.from_url(url, decode_responses=True)
+        try:  # the deadline's time the runs so far used, what the next run is told it spent
+            spent = float(claims.hget(BATCH_RUNS_KEY + batch_id, "q00000").split("|")[0])
+        finally:
+            claims.close()
+        assert spent == 0.0  # the run handed back is not charged: the next has the whole deadline
         with worker(tmp_path / "w", env, "b"):
             wait_finished(client, url, batch_id, RECOVERY_WINDOW)
         assert_batch_exactly_once(client, url, batch_id, 1)

@@ -535,8 +535,8 @@ class _ChunkItems:
         store, batch_id = self.store, self.batch_id
         if item_claim is None or not (item_claim.answer or kept):  # else it stays running
             store.requeue_item(batch_id, item.query_id)
-        if item_claim is not None:
-            store.release_item(batch_id, item.query_id, item_claim)
+        if item_claim is not None:  # its time uncharged: the next run starts it again whole
+            store.release_item(batch_id, item.query_id, item_claim, counted=False)
             answers = self.held.pop(item.query_id, None)
             if answers is not None:  # its retrieval ran
                 answers.record()

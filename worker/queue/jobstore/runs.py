@@ -36,16 +36,17 @@ message's wait behind the rest of its batch) failed a killed worker's in-flight 
 ``deadline_exceeded`` by the hundreds, where the next worker finishes them.
 
 A run that leaves its search unfinished (a task retry) lets its claim go, adding its time,
-before it sends the retry (which another thread may take half a second later);
-one that finishes it need not (the search is final: no run starts again). A worker killed
-mid-run leaves its claim: its heartbeat expires within ``SIFT_WORKER_DEAD_AFTER_SECONDS``,
-which is when :mod:`worker.queue.liveness` puts its messages back, and the redelivered run
-takes the claim over with what the runs that ended left of the deadline. A process without
-a heartbeat of its own (no liveness thread, or a prefork child, whose parent's heartbeat
-outlives it: :func:`worker.queue.liveness.run_owner`) claims with no owner: its time is
-counted when it lets go, nothing is excluded. A run that ended, its end lost with Redis's
-last writes, leaves a claim naming its live worker: that worker's store knows it holds it no
-more (:class:`RunRecords`), and its copy takes it over at once.
+before it sends the retry (which another thread may take half a second later); a batch item's
+run handed back by its stopping worker, billed nothing, lets it go adding none (the next run
+starts it again whole, as after a takeover); one that finishes it need not (the search is final:
+no run starts again). A worker killed mid-run leaves its claim: its heartbeat expires within
+``SIFT_WORKER_DEAD_AFTER_SECONDS``, which is when :mod:`worker.queue.liveness` puts its messages
+back, and the redelivered run takes the claim over with what the runs that ended left of the
+deadline. A process without a heartbeat of its own (no liveness thread, or a prefork child,
+whose parent's heartbeat outlives it: :func:`worker.queue.liveness.run_owner`) claims with no
+owner: its time is counted when it lets go, nothing is excluded. A run that ended, its end lost
+with Redis's last writes, leaves a claim naming its live worker: that worker's store knows it
+holds it no more (:class:`RunRecords`), and its copy takes it over at once.
 
 The claim also keeps the model's answer. A worker killed after its model call returned,
 before the result was saved, had the redelivered run call the model again: the cost paid
@@ -273,8 +274,16 @@ class RunRecords(_StoreCore):
             lost=BATCH_LOST_KEY + batch_id,
         )  # fmt: skip
 
-    def release_item(self, batch_id: str, query_id: str, claim: RunClaim) -> None:
-        self._release(BATCH_RUNS_KEY + batch_id, query_id, claim)
+    def release_item(
+        self, batch_id: str, query_id: str, claim: RunClaim, *, counted: bool = True
+    ) -> None:
+        """Let the item's run claim go, adding the seconds the run ran to the deadline's time
+        used; ``counted=False`` adds none: the run was handed back by its stopping worker
+        before any call was billed, and the next starts it again whole (its retrieval, its
+        wait for the budget), as a run taken over does. Counted, each rolling restart took
+        the seconds its items had waited (their reservation, a 429's ``retry-after``) from
+        their next run's deadline."""
+        self._release(BATCH_RUNS_KEY + batch_id, query_id, claim, counted=counted)
 
     def ended_item(self, batch_id: str, query_id: str, claim: RunClaim) -> None:
         """The item's run holding ``claim`` has ended (its item finished, or it stopped):
@@ -372,11 +381,12 @@ class RunRecords(_StoreCore):
         text = answer.decode() if isinstance(answer, bytes) else str(answer)
         return int(granted) == 1, float(spent), text, local_at, int(runs_lost)
 
-    def _release(self, key: str, field: str, claim: RunClaim) -> None:
+    def _release(self, key: str, field: str, claim: RunClaim, *, counted: bool = True) -> None:
         if not claim.granted:
             return
+        args = [field, claim.token, "1" if counted else "0"]
         try:
-            (reply,) = self._transitions.call([(self._release_run, [key], [field, claim.token])])
+            (reply,) = self._transitions.call([(self._release_run, [key], args)])
         finally:  # the run ends here, let go or not
             self._forget(key, field, claim.token)
         if isinstance(reply, Exception):

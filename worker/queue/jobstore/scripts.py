@@ -587,7 +587,9 @@ return held
 # be retried (one that finishes its search need not, and the final move drops the answer),
 # and a run retried before it reached a kept answer (its retrieval failed) left that answer
 # to its retry: dropping it had the retry pay for the call again. KEYS: the hash. ARGV: the
-# field, the run's token. Returns 1 when that run still held it.
+# field, the run's token, and '0' when the run's seconds are not to be added (a batch item
+# handed back by its stopping worker: its run starts again whole, as a run taken over does).
+# Returns 1 when that run still held it.
 _RELEASE_RUN = """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if not cur then return 0 end
@@ -595,7 +597,8 @@ local u, since, token, kept = string.match(cur, '^([^|]*)|[^|]*|([^|]*)|([^|]*)|
 if not u or token ~= ARGV[2] then return 0 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local used = tonumber(u) + math.max(0, now - tonumber(since))
+local used = tonumber(u)
+if ARGV[3] ~= '0' then used = used + math.max(0, now - tonumber(since)) end
 redis.call('HSET', KEYS[1], ARGV[1],
   string.format('%.6f', used) .. '||0|' .. (kept ~= '' and '||' .. kept or ''))
 return 1
