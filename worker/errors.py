@@ -268,9 +268,9 @@ class HandedBack(Exception):
     """A batch item stopped before its model call because its worker is stopping (a
     SIGTERM: a scale-down, a rolling restart): it was waiting for the rate budget (its
     pacing, its reservation, given back) or had not sent its call yet, or its calls so far
-    were all refused before a token was read (a 429, a 529) and it waited before the next.
-    It goes back to its chunk as handed back, for another worker, as an item not started
-    does; nothing was billed (the refused calls are kept with its claim, for the run that
+    read no token (refused: a 429, a 529; or timed out unanswered) and it waited before the
+    next. It goes back to its chunk as handed back, for another worker, as an item not
+    started does; no usage was read (those calls are kept with its claim, for the run that
     takes it on to show). Not a :class:`SiftError`: nothing failed."""
 
 

@@ -409,16 +409,62 @@ def test_sigterm_hands_back_an_item_waiting_out_a_429_s_retry_after(
 
 
 @pytest.mark.timeout(300)
+def test_sigterm_hands_back_the_items_whose_calls_timed_out_unanswered(
+    tmp_path: Path, shared: RecoveryStack
+) -> None:
+    """SIGTERM at the defaults while a batch's two items are in their model calls and the
+    model never answers: each call times out (20 s, within the 25 s stop deadline), nothing
+    read, and the item goes back before its retry, its timed-out call kept with its claim;
+    the worker exits with status 0. The next worker finishes each once, its usage showing
+    both calls. Before, the stopping worker sent the retries and was cut off at its stop
+    deadline, the items counted lost."""
+    soft_shutdown = Settings(_env_file=None).worker_soft_shutdown_seconds  # type: ignore[call-arg]
+    with FakeAnthropic() as model, recovery_stack(shared) as (url, env, client):
+        env = {**env, "ANTHROPIC_BASE_URL": model.url}
+        with worker(tmp_path / "w", env, "a") as worker_a:
+            ingest(client)
+            model.configure(hold_unscripted=True)  # every call held, unanswered
+            batch_id = submit(client, 2)
+            wait_for(lambda: model.counts()["received"] >= 2, "both items in their calls")
+            worker_a.send_signal(signal.SIGTERM)
+            code = worker_a.wait(soft_shutdown + STOP_GRACE_SECONDS + 30)
+        model.configure(hold_unscripted=False)
+        log = (tmp_path / "w" / "a.log").read_text(errors="replace")
+        assert "not stopped" not in log and code == 0, (code, log[-2000:])
+        assert "2 items handed back" in log, log[-2000:]
+        assert model.counts()["received"] == 2  # no retry sent by the stopping worker
+        with worker(tmp_path / "w", env, "b"):
+            wait_finished(client, url, batch_id, RECOVERY_WINDOW)
+        assert_batch_exactly_once(client, url, batch_id, 2)
+        assert model_calls(model) == Counter({"q00000": 2, "q00001": 2})
+        usage = [line["result"]["usage"]["requests"] for line in all_results(client, batch_id)]
+        assert usage == [2, 2]  # the timed-out call shown beside the answered one
+        lost = redis.Redis.from_url(url, decode_responses=True)
+        try:
+            assert lost.hgetall(BATCH_LOST_KEY + batch_id) == {}
+        finally:
+            lost.close()
+
+
+@pytest.mark.timeout(300)
 def test_a_stop_held_by_model_calls_names_the_items_at_its_deadline(
     tmp_path: Path, shared: RecoveryStack
 ) -> None:
     """SIGTERM while a batch's two items are in their model calls and the model never
     answers: the warm shutdown waits for them, and at the stop deadline the worker exits with
     its own status and a line naming them. The line blamed Redis ("Redis not answering?"),
-    which answered all along, and the status was Celery's cold shutdown's."""
+    which answered all along, and the status was Celery's cold shutdown's. The calls' timeout
+    and the search deadline are a minute here, so the calls outlast the stop deadline (25 s):
+    at the defaults each call times out at 20 s, unanswered and nothing read, and its item is
+    then handed back before its retry (the stop ends there)."""
     soft_shutdown = Settings(_env_file=None).worker_soft_shutdown_seconds  # type: ignore[call-arg]
     with FakeAnthropic() as model, recovery_stack(shared) as (_, env, client):
-        env = {**env, "ANTHROPIC_BASE_URL": model.url}
+        env = {
+            **env,
+            "ANTHROPIC_BASE_URL": model.url,
+            "SIFT_GENERATION_TIMEOUT_SECONDS": "60",
+            "SIFT_SEARCH_DEADLINE_SECONDS": "60",
+        }
         with worker(tmp_path / "w", env, "a") as worker_a:
             ingest(client)
             model.configure(hold_unscripted=True)  # every call held, unanswered

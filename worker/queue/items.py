@@ -20,9 +20,9 @@ When the worker is told to stop (SIGTERM), :meth:`ItemQueue.hand_back` closes th
 items not yet started go back to their chunks as ``handed_back``, and each chunk task hands
 its message back to the broker at once (``Reject(requeue=True)``) for another worker. An item
 started but not yet at its model call (waiting for the rate budget, in its pacing or for its
-reservation; in its retrieval), or waiting before a retry of calls refused unbilled (a 429's
-``retry-after``, the provider's outage), reads :meth:`ItemQueue.stopping` and goes back the
-same way, queued again (:mod:`worker.queue.tasks`; running, keeping the refused calls): under
+reservation; in its retrieval), or waiting before a retry of calls that read no token (a
+429's ``retry-after``, the provider's outage), reads :meth:`ItemQueue.stopping` and goes back
+the same way, queued again (:mod:`worker.queue.tasks`; running, keeping those calls): under
 a budget paced to the provider's limit most of a batch waits there, and held the stop up to
 the stop deadline. Only the items already in their model call run to their end here.
 

@@ -230,7 +230,8 @@ def _billed(error: ErrorInfo, answer: str) -> ErrorInfo:
 
 def _unbilled(usage: Usage | None) -> bool:
     """Whether ``usage`` (a run's, or a dead run's kept) read no token: no call sent, or each
-    refused before the model read one (a 429, a 529), which the provider bills nothing for.
+    refused (a 429, a 529: the provider bills nothing) or timed out unanswered (what the
+    provider may bill for it no usage says either way: counted unread).
 
     >>> _unbilled(None), _unbilled(Usage(requests=2)), _unbilled(Usage(requests=1, input_tokens=9))
     (True, True, False)
@@ -255,8 +256,8 @@ class _ModelCheck:
     view of the batch's cancel mark (:class:`CancelMarks`, no round trip of its own most of
     the time) says canceled, one job-store transition (:meth:`JobStore.check_item`) cancels
     the item, atomically, and the search stops (``stopped`` says how it ended). If instead
-    the worker is stopping (``stopping``) and no call of the item was billed (none sent, or
-    each refused before a token was read: a 429, a 529), by this run or any before it, the
+    the worker is stopping (``stopping``) and no call of the item read a token (none sent,
+    or each refused, a 429, a 529, or timed out unanswered), by this run or any before it, the
     search stops with :class:`HandedBack`: it goes back to its chunk (``kept``: this run had
     sent calls, kept in its claim for the run that takes it on). It is asked before the
     first call too, and every second of any wait before a call (the rate budget, the
@@ -530,7 +531,7 @@ class _ChunkItems:
         poison limit), for the worker that takes the chunk's message next. Its reservation
         and its place in the budget's queue were given back where it stopped. Left waiting,
         it held the stop up to its deadline, and the worker exited as after a crash. One
-        whose claim keeps calls (``kept``: this run's refused ones; or an earlier run's)
+        whose claim keeps calls (``kept``: this run's, none read; or an earlier run's)
         stays running, as a retry of it does: a cancel meanwhile shows them."""
         store, batch_id = self.store, self.batch_id
         if item_claim is None or not (item_claim.answer or kept):  # else it stays running

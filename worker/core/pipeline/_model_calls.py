@@ -128,8 +128,8 @@ class ModelCalls:
         :class:`~worker.errors.HandedBack`, which end the call there (a budget reservation
         not used is given back). ``on_billed`` hears the run so far after each failed
         attempt that reported usage (billed, to be retried): where a run keeps it past its
-        process; and, the call handed back, its attempts refused unbilled, for the run that
-        takes the item on to show."""
+        process; and, the call handed back, its attempts that read no token, for the run
+        that takes the item on to show."""
         assert self.reranker is not None
         run = RerankRun()
         started = self.clock()
@@ -143,7 +143,7 @@ class ModelCalls:
             )
         except (RerankAttemptError, DeadlineExceeded) as error:
             run.failure = error
-        except HandedBack:  # its attempts so far were refused, unbilled: the next run shows them
+        except HandedBack:  # its attempts so far read no token: the next run shows them
             if on_billed is not None and _billed(run) is not None:
                 on_billed(run)
             raise
