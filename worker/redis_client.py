@@ -237,7 +237,7 @@ def info_at_start(url: str, section: str) -> dict[str, Any] | None:
 def evicting_policy(info: dict[str, Any] | None) -> str | None:
     """The ``maxmemory_policy`` of ``INFO memory``'s ``info`` when it is not ``noeviction``
     (Redis would drop keys when full: accepted jobs, results, a live worker's heartbeat),
-    else None.
+    else None. Whether it drops any now is :func:`has_memory_limit`'s.
 
     >>> evicting_policy({"maxmemory_policy": "allkeys-lru"})
     'allkeys-lru'
@@ -248,6 +248,18 @@ def evicting_policy(info: dict[str, Any] | None) -> str | None:
     """
     policy = (info or {}).get("maxmemory_policy")
     return None if policy in (None, NOEVICTION) else str(policy)
+
+
+def has_memory_limit(info: dict[str, Any] | None) -> bool:
+    """Whether ``INFO memory``'s ``info`` gives Redis a ``maxmemory``: with none (0, Redis's
+    default) it is never full, so no policy evicts anything (until one is set).
+
+    >>> has_memory_limit({"maxmemory": 2147483648}), has_memory_limit({"maxmemory": 0})
+    (True, False)
+    >>> has_memory_limit(None)  # INFO refused, or Redis not answering: nothing known
+    False
+    """
+    return int((info or {}).get("maxmemory", 0)) > 0
 
 
 def keeps_no_aof(info: dict[str, Any] | None) -> bool:

@@ -230,6 +230,31 @@ def test_an_evicting_redis_is_one_line_naming_its_policy(
     assert "Traceback" not in said and len(said.strip().splitlines()) == 1, said
 
 
+def test_an_evicting_policy_without_a_maxmemory_is_warned_of_not_refused(tmp_path: Path) -> None:
+    """``allkeys-lru`` with ``maxmemory 0`` (Redis's default: no limit) evicts nothing, so it
+    loses no job: the gateway and the worker start, and each says once that a ``maxmemory``
+    set later with that policy would. Both were refused (exit 2) as if Redis evicted."""
+    with redis_server(tmp_path / "redis") as url:
+        admin = redis.Redis.from_url(url)
+        admin.config_set("maxmemory", 0)
+        admin.config_set("maxmemory-policy", "allkeys-lru")
+        admin.close()
+        env = {"SIFT_REDIS_URL": url + "/0", "SIFT_WORKER_METRICS_PORT": "0", "COLUMNS": "200"}
+        env["SIFT_DATA_DIR"] = str(tmp_path / "data")
+        with gateway_process(tmp_path / "g", child_env(env, inherit_sift=False)):
+            service = worker_service(tmp_path / "w", child_env(env, inherit_sift=False))
+            assert service.log is not None
+            proc = service.start()
+            try:
+                service.wait_ready()
+            finally:
+                stop(proc, service.stop_timeout)
+        for log in [service.log, tmp_path / "g" / "gateway.log"]:
+            said = log.read_text(errors="replace")
+            assert said.count("maxmemory-policy allkeys-lru") == 1, (log.name, said[-3000:])
+            assert "maxmemory 0" in said and "noeviction" in said, (log.name, said[-3000:])
+
+
 def test_a_redis_that_keeps_every_key_starts_a_worker_and_a_gateway(tmp_path: Path) -> None:
     """The same start on ``noeviction`` (``sift up``'s, the compose file's): both run."""
     with redis_server(tmp_path / "redis") as url:

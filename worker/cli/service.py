@@ -255,19 +255,30 @@ def _require_channels(settings: Settings) -> None:
 
 def _require_noeviction(settings: Settings) -> None:
     """Stop (exit 2, one line naming the setting) a gateway or worker whose Redis evicts keys
-    when full (``allkeys-lru``, a common managed default): it is the job store and the broker,
-    and an evicting one lost accepted batches, finished searches (both read 404) and a live
-    worker's heartbeat, silently. Read from ``INFO memory``; a user refused INFO is warned of
-    once and let start, as is a Redis not answering yet."""
-    from worker.redis_client import evicting_policy, info_at_start
+    when full (``allkeys-lru``, a common managed default, with a ``maxmemory``): it is the job
+    store and the broker, and an evicting one lost accepted batches, finished searches (both
+    read 404) and a live worker's heartbeat, silently. With no ``maxmemory`` (0: no limit)
+    Redis is never full and evicts nothing, so that policy is only warned of, once: it was
+    refused as if it evicted. Read from ``INFO memory``; a user refused INFO is warned of
+    once and let start; as is a Redis not answering yet."""
+    from worker.redis_client import evicting_policy, has_memory_limit, info_at_start
 
-    if settings.redis_url and (
-        policy := evicting_policy(info_at_start(settings.redis_url, "memory"))
-    ):
+    if not settings.redis_url:
+        return
+    info = info_at_start(settings.redis_url, "memory")
+    if not (policy := evicting_policy(info)):
+        return
+    if has_memory_limit(info):
         _stop(
             f"SIFT_REDIS_URL: Redis evicts keys when full (maxmemory-policy {policy}), and Sift's "
             "jobs and messages would go with them: set `maxmemory-policy noeviction` on it"
         )
+    errors.print(
+        f"[yellow]warning:[/yellow] SIFT_REDIS_URL: Redis has maxmemory-policy {policy} and "
+        "maxmemory 0 (no limit), so it evicts nothing now; a maxmemory set later would have it "
+        "drop Sift's jobs and messages when full: set `maxmemory-policy noeviction` on it",
+        soft_wrap=True,
+    )
 
 
 def _warn_no_aof(settings: Settings) -> None:
