@@ -171,6 +171,30 @@ def refused_database(url: str) -> str | None:
 START_CHECK_TIMEOUT_SECONDS = 5.0
 
 
+def unanswered(url: str) -> str | None:
+    """Why the Redis of ``url`` gives the start checks no answer yet, or None once it does.
+    Unanswered: a ``PING`` that cannot connect, goes unanswered for
+    :data:`START_CHECK_TIMEOUT_SECONDS`, meets a Redis still loading its data, or is refused
+    its password (a user not made yet, or a wrong password, which Celery would retry the
+    same). Any other reply, a refusal included (a database Redis does not have), is an
+    answer: the checks read it. They each take no answer for no refusal, so a worker that ran
+    them before its Redis answered skipped them all (:func:`refused_channels`).
+
+    >>> unanswered("redis://127.0.0.1:1/0") is not None  # nothing listens there
+    True
+    """
+    client = connect(url, socket_timeout=START_CHECK_TIMEOUT_SECONDS)
+    try:
+        client.ping()
+    except (redis.ConnectionError, redis.TimeoutError) as error:  # auth and loading are these
+        return str(error) or type(error).__name__
+    except redis.RedisError:
+        return None
+    finally:
+        client.close()
+    return None
+
+
 def refused_channels(url: str) -> str | None:
     """Redis's refusal of the Pub/Sub channel Celery's remote control subscribes to (kombu's
     fanout, ``/<db>.celery.pidbox``), or None: an ACL user without channels (no ``&*``; Redis

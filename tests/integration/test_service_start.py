@@ -185,7 +185,8 @@ def test_a_database_redis_does_not_have_is_one_line_naming_it(
 
 def test_a_worker_waits_for_a_redis_not_up_yet(tmp_path: Path) -> None:
     """The check of the database refuses only what Redis says: a Redis not answering yet (a
-    deployment whose workers start first) is waited for, as Celery waits for its broker."""
+    deployment whose workers start first) is waited for, as Celery waits for its broker, and
+    said so (before the start checks, which need it)."""
     port = free_port()
     env = {"SIFT_REDIS_URL": f"redis://127.0.0.1:{port}/3", "SIFT_WORKER_METRICS_PORT": "0"}
     env["SIFT_DATA_DIR"] = str(tmp_path / "data")
@@ -194,7 +195,8 @@ def test_a_worker_waits_for_a_redis_not_up_yet(tmp_path: Path) -> None:
     proc = service.start()
     try:
         log = service.log
-        wait_until(lambda: b"Cannot connect to" in log.read_bytes(), "worker", proc, log)
+        waiting = b"waiting: cannot connect to the Redis of SIFT_REDIS_URL"
+        wait_until(lambda: waiting in log.read_bytes(), "worker", proc, log)
         with redis_server(tmp_path / "redis", port=port):
             service.wait_ready()
             assert proc.poll() is None
@@ -319,3 +321,53 @@ def test_a_user_without_pub_sub_channels_is_one_line_naming_them(
     assert ran.returncode == 2, said
     assert "SIFT_REDIS_URL" in said and "&*" in said and "channel" in said, said
     assert "Traceback" not in said and len(said.strip().splitlines()) == 1, said
+
+
+@pytest.mark.parametrize(
+    ("user", "config", "named"),
+    [
+        pytest.param(["~*", "+@all"], ("maxmemory-policy", "noeviction"), "&*", id="no-channels"),
+        pytest.param(
+            ["~*", "&*", "+@all"],
+            ("maxmemory-policy", "allkeys-lru"),
+            "maxmemory-policy",
+            id="evicting",
+        ),
+    ],
+)
+def test_a_redis_that_answers_late_gets_the_same_start_checks(
+    tmp_path: Path, user: list[str], config: tuple[str, str], named: str
+) -> None:
+    """``sift worker`` (its default processes) started before its Redis answers (pods
+    starting together, a Redis restarting), which then comes up with a user without Pub/Sub
+    channels, or evicting: the start checks took "not answering" for no refusal and let it
+    start, and never looked again; each worker process died on Celery's ``PSUBSCRIBE`` and
+    was restarted for good (the evicting Redis ran on). It now waits for Redis to answer, as
+    Celery waits for its broker, then stops as on a Redis up at the start: one line, exit 2.
+    The user is made after Redis is up: the worker's tries meanwhile are refused its
+    password, which is waited out too."""
+    port = free_port()
+    env = {"SIFT_REDIS_URL": f"redis://sift:pw@127.0.0.1:{port}/0", "COLUMNS": "200"}
+    env.update(SIFT_WORKER_METRICS_PORT="0", SIFT_DATA_DIR=str(tmp_path / "data"))
+    service = worker_service(tmp_path / "w", child_env(env, inherit_sift=False), processes=None)
+    assert service.log is not None
+    log = service.log
+    proc = service.start()
+    try:  # waiting for Redis: Celery's line before, the start check's now
+        wait_until(lambda: b"cannot connect to" in log.read_bytes().lower(), "worker", proc, log)
+        with redis_server(tmp_path / "redis", port=port) as url:
+            admin = redis.Redis.from_url(url)
+            admin.config_set(*config)
+            admin.execute_command("ACL", "SETUSER", "sift", "on", ">pw", *user)
+            admin.close()
+            try:
+                code = proc.wait(60)  # a worker process starts and dies within 10 s or so
+            except subprocess.TimeoutExpired:
+                pytest.fail(log.read_text(errors="replace")[-4000:])
+    finally:
+        stop(proc, service.stop_timeout)
+    said = log.read_text(errors="replace")
+    assert code == 2, said[-4000:]
+    assert "SIFT_REDIS_URL" in said and named in said, said[-4000:]
+    assert "Unrecoverable error" not in said and "restarting" not in said, said[-4000:]
+    assert "Traceback" not in said, said[-4000:]

@@ -159,6 +159,7 @@ def worker(
         _require_model_cache(settings)
         _require_metrics_dir()
         _check_backend(settings)
+        _wait_for_redis(settings)  # the checks after it read Redis: not answering passes them
         _require_redis_database(settings)
         _check_redis_config(settings)
         shared = _share_data_dir(settings)
@@ -211,6 +212,32 @@ def _require_redis(settings: Settings, what: str) -> None:
         )
 
 
+#: The pauses between a worker's tries of a Redis not answering yet: soon at first (pods
+#: starting together), then every few seconds for as long as it takes, as Celery's broker
+START_WAIT_PAUSES = (0.5, 1.0, 2.0, 5.0)
+
+
+def _wait_for_redis(settings: Settings) -> None:
+    """Before a worker's start checks read its Redis, wait until it answers, saying so each
+    try and never giving up, as Celery waits for its broker. Each check takes a Redis not
+    answering for no refusal, so a worker started before its Redis (pods starting together, a
+    Redis restarting) skipped them all: on a user without Pub/Sub channels its processes died
+    and were restarted for good, on an evicting Redis it ran on. A Redis that answers at once
+    costs one ``PING``."""
+    from worker.redis_client import unanswered
+
+    tries = 0
+    while settings.redis_url and (why := unanswered(settings.redis_url)):
+        pause = START_WAIT_PAUSES[min(tries, len(START_WAIT_PAUSES) - 1)]
+        errors.print(
+            f"[yellow]waiting:[/yellow] cannot connect to the Redis of SIFT_REDIS_URL "
+            f"({plain(why)}); the start checks need it: trying again in {pause:g} s",
+            soft_wrap=True,
+        )
+        time.sleep(pause)
+        tries += 1
+
+
 def _require_redis_database(settings: Settings) -> None:
     """Stop (exit 2, one line naming ``SIFT_REDIS_URL``) a worker, or ``sift up`` on a Redis
     of its own choosing, whose Redis refuses the URL's database (``/99`` on a Redis of 16):
@@ -260,7 +287,8 @@ def _require_noeviction(settings: Settings) -> None:
     read 404) and a live worker's heartbeat, silently. With no ``maxmemory`` (0: no limit)
     Redis is never full and evicts nothing, so that policy is only warned of, once: it was
     refused as if it evicted. Read from ``INFO memory``; a user refused INFO is warned of
-    once and let start; as is a Redis not answering yet."""
+    once and let start; a worker waits for a Redis not answering yet
+    (:func:`_wait_for_redis`), a gateway starts without the check."""
     from worker.redis_client import evicting_policy, has_memory_limit, info_at_start
 
     if not settings.redis_url:
