@@ -65,6 +65,7 @@ from worker.constants import (
     DELIVERY_OWNERS_KEY,
     KOMBU_UNACKED_KEY,
     SEARCH_KEY,
+    SEARCH_TASK,
 )
 from worker.processes.stack import child_env, worker_process
 from worker.processes.workers import STOP_DEADLINE_STATUS, STOP_GRACE_SECONDS
@@ -476,6 +477,32 @@ def test_a_stop_held_by_model_calls_names_the_items_at_its_deadline(
         log = (tmp_path / "w" / "a.log").read_text(errors="replace")
         gave_up = f"not stopped {soft_shutdown + STOP_GRACE_SECONDS:g} s after the stop signal"
         assert gave_up + " (2 batch items still running); exiting now" in log, log[-2000:]
+        assert code == STOP_DEADLINE_STATUS
+
+
+@pytest.mark.timeout(300)
+def test_a_stop_held_by_a_search_s_model_call_names_the_search_at_its_deadline(
+    tmp_path: Path, shared: RecoveryStack
+) -> None:
+    """The same with one single search in its model call (its deadline, 30 s by default,
+    outlasts the 25 s stop deadline): the line names the search task, which held the stop as
+    batch items do. It blamed Redis, which answered all along, since it counted batch items
+    alone (reviewer's /tmp/rev21/rel/test_stop_line_blames_redis.py)."""
+    soft_shutdown = Settings(_env_file=None).worker_soft_shutdown_seconds  # type: ignore[call-arg]
+    with FakeAnthropic() as model, recovery_stack(shared) as (_, env, client):
+        env = {**env, "ANTHROPIC_BASE_URL": model.url}
+        with worker(tmp_path / "w", env, "a") as worker_a:
+            ingest(client)
+            model.configure(hold_unscripted=True)  # every call held, unanswered
+            submit_search(client, "who beat Kasparov")
+            wait_for(lambda: model.counts()["received"] >= 1, "the search in its call")
+            worker_a.send_signal(signal.SIGTERM)
+            code = worker_a.wait(soft_shutdown + STOP_GRACE_SECONDS + 30)
+            model.configure(hold_unscripted=False)
+        log = (tmp_path / "w" / "a.log").read_text(errors="replace")
+        gave_up = f"not stopped {soft_shutdown + STOP_GRACE_SECONDS:g} s after the stop signal"
+        held = f" (1 {SEARCH_TASK} task still running); exiting now"
+        assert gave_up + held in log, log[-2000:]
         assert code == STOP_DEADLINE_STATUS
 
 

@@ -3,7 +3,7 @@ the embedding graph (a loaded CI machine's worker, soft shutdown 1 s, was ended 
 status 1, while its warm-up still had 30 s to finish the graph), and counts that wait only
 while a warm-up runs: without one, a stop on a Redis that never answers took 45 s at the
 defaults where the soft shutdown and the grace (25 s) would do. Its line says what held the
-process (batch items still running, or else Redis), and its exit status is its own."""
+process (batch items and tasks still running, or else Redis), and its exit status is its own."""
 
 from __future__ import annotations
 
@@ -102,6 +102,24 @@ def test_a_stop_held_by_batch_items_still_running_says_so(
     assert exits == [STOP_DEADLINE_STATUS]
     err = capsys.readouterr().err
     assert "after the stop signal (2 batch items still running); exiting now" in err, err
+    assert "Redis" not in err
+
+
+def test_a_stop_held_by_a_task_still_running_names_it(
+    timers: list[Timer], exits: list[int], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A search in its model call holds the stop as items do: its task is named, by name, not
+    Redis (the line counted batch items alone); a batch chunk's task waits for its items,
+    which are named instead."""
+    tasks = {"sift.search": 1}
+    exit_by_deadline(Settings(), lambda: False, lambda: 0, lambda: tasks)
+    worker_shutting_down.send(sender=None, sig="SIGTERM", how="Warm", exitcode=0)
+    tasks.update({"sift.batch_chunk": 1, "sift.webhook": 2})  # asked at the deadline
+    _fire(timers[0])
+    assert exits == [STOP_DEADLINE_STATUS]
+    err = capsys.readouterr().err
+    held = "(1 sift.batch_chunk task, 1 sift.search task, 2 sift.webhook tasks still running)"
+    assert held in err, err
     assert "Redis" not in err
 
 

@@ -136,7 +136,7 @@ def worker(
 ) -> None:
     """Run Celery workers, for deployment: one process per core by default, each with its
     threads pool, under one process that restarts any that exits and serves their metrics."""
-    from worker.queue.base import items_running
+    from worker.queue.base import items_running, tasks_running
     from worker.queue.celery_app import create_celery_app, run_celery_worker, warming_up
 
     overrides: dict[str, Any] = {}
@@ -177,7 +177,7 @@ def worker(
     else:
         _single_process_metrics(settings)
     # a stop ends even on a Redis that never answers, or under items that do not end
-    exit_by_deadline(settings, warming_up, items_running)
+    exit_by_deadline(settings, warming_up, items_running, tasks_running)
     run_celery_worker(create_celery_app(settings), name, queues.split(","), settings.log_level)
 
 

@@ -36,10 +36,10 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from worker.constants import WARM_UP_STOP_WAIT_SECONDS
+from worker.constants import BATCH_CHUNK_TASK, WARM_UP_STOP_WAIT_SECONDS
 from worker.pids import alive
 from worker.processes.machine import cpu_count
 from worker.processes.stack import (
@@ -84,13 +84,16 @@ def supervisor_stop_deadline(settings: Settings) -> float:
 
 
 def exit_by_deadline(
-    settings: Settings, warming_up: Callable[[], bool], running: Callable[[], int] = lambda: 0
+    settings: Settings,
+    warming_up: Callable[[], bool],
+    running: Callable[[], int] = lambda: 0,
+    tasks: Callable[[], Mapping[str, int]] = dict,
 ) -> None:
     """In a Celery worker process: once a stop begins (Celery's ``worker_shutting_down``,
     sent from its signal handler), end the process :func:`stop_deadline` later if it is still
     there (``os._exit``, from a daemon timer: the main thread may be blocked on a socket),
-    with a line saying what held it (:func:`held_by`: the batch items still ``running()``,
-    or else, most likely, Redis).
+    with a line saying what held it (:func:`held_by`: the batch items still ``running()`` and
+    the Celery tasks still running, ``tasks()`` by name, or else, most likely, Redis).
 
     The timer is set for the deadline without a warm-up; when it fires, a warm-up still
     running (``warming_up()``) moves it to the one with. Asked then, not at the stop, a
@@ -106,7 +109,8 @@ def exit_by_deadline(
             _daemon_timer(longest - (time.monotonic() - stopped_at), give_up, stopped_at, longest)
             return
         print(f"sift worker: not stopped {seconds:g} s after the stop signal "
-              f"({held_by(running())}); exiting now", file=sys.stderr, flush=True)  # fmt: skip
+              f"({held_by(running(), tasks())}); exiting now", file=sys.stderr,
+              flush=True)  # fmt: skip
         os._exit(STOP_DEADLINE_STATUS)
 
     def arm(**_: object) -> None:
@@ -118,17 +122,32 @@ def exit_by_deadline(
     worker_shutting_down.connect(arm, weak=False, dispatch_uid="sift-stop-deadline")
 
 
-def held_by(items: int) -> str:
+def held_by(items: int, tasks: Mapping[str, int] | None = None) -> str:
     """What a worker process still there at its stop deadline was held by: its batch items
-    still running (their model calls), or, with none, most likely a Redis that never answers.
-    It blamed Redis even when the items held it.
+    still running (their model calls) and its Celery tasks still running, by name (a search
+    in its model call, an ingest, a webhook's POST); with none, most likely a Redis that
+    never answers. A batch chunk's task is left out while items run: it waits for them. It
+    blamed Redis when a search held it, as it did when batch items held it before.
 
     >>> held_by(0), held_by(1), held_by(3)
     ('Redis not answering?', '1 batch item still running', '3 batch items still running')
+    >>> held_by(0, {"sift.search": 1})
+    '1 sift.search task still running'
+    >>> held_by(2, {"sift.batch_chunk": 1, "sift.search": 2, "sift.webhook": 1})
+    '2 batch items, 2 sift.search tasks, 1 sift.webhook task still running'
+    >>> held_by(0, {"sift.batch_chunk": 1})  # in a Redis call of its own, maybe: named
+    '1 sift.batch_chunk task still running'
     """
-    if items == 0:
-        return "Redis not answering?"
-    return f"{items} batch item{'s' if items != 1 else ''} still running"
+    held = [_counted(items, "batch item")] if items else []
+    for name, count in sorted((tasks or {}).items()):
+        if count and not (items and name == BATCH_CHUNK_TASK):
+            held.append(_counted(count, f"{name} task"))
+    return f"{', '.join(held)} still running" if held else "Redis not answering?"
+
+
+def _counted(count: int, what: str) -> str:
+    """``count`` ``what``, plural past one: ``1 batch item``, ``2 batch items``."""
+    return f"{count} {what}{'s' if count != 1 else ''}"
 
 
 def _daemon_timer(seconds: float, call: Callable[[float, float], None], *args: float) -> None:

@@ -9,11 +9,13 @@ the other for it.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -270,6 +272,18 @@ def items_running() -> int:
     """How many batch items this process is running now (:meth:`ItemQueue.running`)."""
     context = _context
     return context._items.running() if context is not None and context._items is not None else 0
+
+
+def tasks_running() -> dict[str, int]:
+    """How many Celery tasks this process is running now, by name (Celery's active requests,
+    the pool's prefork children's included): at a stop's deadline, what held it besides
+    batch items (a search in its model call, an ingest, a webhook's POST)."""
+    from celery.worker.state import active_requests
+
+    for _ in range(3):  # a task ending on another thread changes the set mid-count
+        with contextlib.suppress(RuntimeError):
+            return dict(Counter(request.name for request in list(active_requests)))
+    return {}
 
 
 def set_context(context: WorkerContext | None) -> None:
