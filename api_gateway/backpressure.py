@@ -13,7 +13,8 @@ overshoot the limit by more than what the other gateways admitted meanwhile.
 
 And past 90 % of Redis's ``maxmemory`` (:class:`StoreMemory`), new jobs are refused with a
 503 ``job_store_full`` (nothing stored, as at the limit itself), so the jobs running can
-still write their ends.
+still write their ends. A batch is judged with what it will add (:func:`batch_bytes`, its
+items and their results), so one admitted at 80 % cannot fill Redis on its own.
 """
 
 from __future__ import annotations
@@ -144,15 +145,66 @@ FREES = (
 MemoryReading = Callable[[], Awaitable[tuple[int, int]]]  # AsyncJobStore.memory
 
 
+#: About what a batch item holds in Redis beside its id, its spec and its hits: its status,
+#: its place in the order, its result's rerank, usage and timings (measured on the sample
+#: corpus: a result of 10 hits took 4.3 kB, of 30 hits 12.5 kB; an item's record some 300 B)
+ITEM_BYTES = 400
+#: About what one hit of a result holds: its id, revision, scores, ranks, and the document's
+#: text (the sample corpus's, some 100 characters: longer documents hold more)
+HIT_BYTES = 420
+#: About what an item's trace adds to its result (``include_trace``; measured 3.9 kB)
+TRACE_BYTES = 4_000
+
+
+def batch_bytes(items: list[tuple[str, str]], hits: int, traced: bool) -> int:
+    """About how many bytes a batch will hold in Redis once each item has its result:
+    ``items`` its (query id, spec JSON) pairs, ``hits`` the most hits their results hold (the
+    sum of their limits), ``traced`` whether it asked for traces. An estimate, not a bound:
+    a result's hits carry their documents' text, which the gateway does not know.
+
+    >>> batch_bytes([("q1", "{}")], hits=10, traced=False)
+    4604
+    """
+    per_item = ITEM_BYTES + (TRACE_BYTES if traced else 0)
+    stored = sum(len(query_id) + len(spec) for query_id, spec in items)
+    return stored + len(items) * per_item + hits * HIT_BYTES
+
+
+def _mb(size: float) -> str:
+    return f"{size / 1_000_000:.1f} MB"
+
+
 class StoreFull(Exception):
-    """Redis holds :data:`MEMORY_ADMITTED` of its ``maxmemory`` or more: answer 503
+    """Redis holds :data:`MEMORY_ADMITTED` of its ``maxmemory`` or more, or would with the
+    ``adding`` bytes of the job being judged (``what``: as its refusal names it): answer 503
     ``job_store_full``, as at the limit itself: the job was refused before any write."""
 
-    def __init__(self, used: int, limit: int) -> None:
+    def __init__(self, used: int, limit: int, adding: int = 0, what: str = "") -> None:
+        held = f"Redis holds {used / limit:.0%} of its maxmemory"
+        if adding:
+            said = (
+                f"the job store has no room for {what}: {held} ({_mb(limit)}), the batch "
+                f"would add about {_mb(adding)} with its results, and new jobs are refused "
+            )
+        else:
+            said = f"the job store is nearly full: {held}, and new jobs are refused "
         super().__init__(
-            f"the job store is nearly full: Redis holds {used / limit:.0%} of its maxmemory, "
-            f"and new jobs are refused past {MEMORY_ADMITTED:.0%} so those running can end: "
-            "nothing was stored; " + FREES
+            said
+            + f"past {MEMORY_ADMITTED:.0%} so those running can end: nothing was stored; "
+            + FREES
+        )
+
+
+class TooLargeForStore(Exception):
+    """A batch whose ``adding`` bytes alone pass :data:`MEMORY_ADMITTED` of ``maxmemory``:
+    no retry admits it, however much Redis frees (answer 422 naming its queries)."""
+
+    def __init__(self, limit: int, adding: int, what: str) -> None:
+        super().__init__(
+            f"{what} would take about {_mb(adding)} of the job store with its results, more "
+            f"than the {MEMORY_ADMITTED:.0%} of Redis's maxmemory ({_mb(limit)}) new jobs "
+            "may fill, so no retry admits it: send its queries in smaller batches, or give "
+            "Redis a larger maxmemory"
         )
 
 
@@ -167,7 +219,11 @@ class StoreMemory:
         self._used, self._limit = 0, 0
         self._read_at: float | None = None
 
-    async def admit(self) -> None:
+    async def admit(self, adding: int = 0, what: str = "") -> None:
+        """Admit a job that will add about ``adding`` bytes (``what``: the job, as its
+        refusal names it), or raise :class:`StoreFull` (:class:`TooLargeForStore` when it
+        alone would pass the share). What it admits is added to the cached reading, so the
+        requests before the next reading are judged with it."""
         now = self._clock()
         if self._read_at is None or now - self._read_at >= READ_EVERY_SECONDS:
             try:
@@ -177,5 +233,8 @@ class StoreMemory:
                     log.warning("Redis's memory is not read (%s): no admission by it", exc)
                 self._used, self._limit = 0, 0
             self._read_at = now
-        if self._limit and self._used >= MEMORY_ADMITTED * self._limit:
-            raise StoreFull(self._used, self._limit)
+        if self._limit and adding >= MEMORY_ADMITTED * self._limit:
+            raise TooLargeForStore(self._limit, adding, what)
+        if self._limit and self._used + adding >= MEMORY_ADMITTED * self._limit:
+            raise StoreFull(self._used, self._limit, adding, what)
+        self._used += adding

@@ -72,11 +72,13 @@ class BatchHead(BatchRequest):
 @dataclass(frozen=True, slots=True)
 class ParsedBatch:
     """A valid batch body: its fields, each query's id and ``SearchSpec`` JSON in order,
-    and its fingerprint (``""`` unless asked for)."""
+    its fingerprint (``""`` unless asked for), and the most hits its results hold (the sum of
+    its queries' limits: what it will take of the job store, :func:`batch_bytes`)."""
 
     head: BatchHead
     items: list[tuple[str, str]]
     fingerprint: str
+    hits: int = 0
 
 
 def read_as_json(content_type: str | None) -> bool:
@@ -126,6 +128,7 @@ def parse_batch(
         raise RequestValidationError(errors, body=data)
     assert isinstance(queries, list)
     items: list[tuple[str, str]] = []
+    hits = 0
     first_seen: dict[str, int] = {}
     repeated: InvalidRequest | None = None
     digest = _Fingerprint(route, head) if route and head else None
@@ -144,7 +147,9 @@ def parse_batch(
                     f"duplicate id {query.id!r} (first at queries[{first_seen[query.id]}])",
                 )
             first_seen.setdefault(query.id, i)
-            items.append((query.id, _spec(head, query, rerank_default).model_dump_json()))
+            spec = _spec(head, query, rerank_default)
+            hits += spec.limit
+            items.append((query.id, spec.model_dump_json()))
         if digest is not None:
             digest.add(part)
     if errors:
@@ -152,7 +157,7 @@ def parse_batch(
     if repeated is not None:
         raise repeated
     assert head is not None
-    return ParsedBatch(head, items, digest.hexdigest() if digest else "")
+    return ParsedBatch(head, items, digest.hexdigest() if digest else "", hits)
 
 
 def json_text(raw: bytes) -> str:

@@ -9,6 +9,7 @@ import redis
 from fastapi import Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 
+from api_gateway.backpressure import batch_bytes
 from api_gateway.bodies import BATCH_BODY, parse_batch, read_as_json
 from api_gateway.deps import (
     ERRORS,
@@ -159,7 +160,9 @@ async def create_batch(
             ]
 
         try:
-            async with _admitted(request, len(items)):  # the whole batch, or none of it
+            adding = batch_bytes(items, parsed.hits, body.include_trace)
+            what = f"this batch of {total} queries"
+            async with _admitted(request, total, adding, what):  # the whole batch, or none
                 batch = await off_loop(
                     _create_and_enqueue,
                     sender,

@@ -21,6 +21,7 @@ from api_gateway.backpressure import (
     BacklogFull,
     StoreFull,
     StoreMemory,
+    TooLargeForStore,
 )
 from api_gateway.deps import is_id, job_store, off_loop, task_sender
 from api_gateway.errors import (
@@ -151,14 +152,18 @@ async def erase(request: Request, kind: ErasableKind, job_id: str, tenant: str) 
     return ErasedOut(id=job_id, kind=kind, erased_at=iso(erasure.erased_at) or "")
 
 
-async def room_for_new_work(request: Request) -> None:
+async def room_for_new_work(request: Request, adding: int = 0, what: str = "") -> None:
     """503 ``job_store_full`` with ``Retry-After`` when Redis holds 90 % of its ``maxmemory``
-    or more (:class:`StoreMemory`): the room left is for the jobs running."""
+    or more, or would with the ``adding`` bytes of ``what`` (a batch: :func:`batch_bytes`)
+    (:class:`StoreMemory`): the room left is for the jobs running. A batch that alone would
+    pass the 90 % is a 422 naming its queries: no retry admits it."""
     memory: StoreMemory | None = getattr(request.app.state, "memory", None)
     if memory is None:
         return
     try:
-        await memory.admit()
+        await memory.admit(adding, what)
+    except TooLargeForStore as exc:
+        raise InvalidRequest("queries", str(exc)) from exc
     except StoreFull as exc:
         log.warning("backpressure: %s", exc)
         raise ApiError(
@@ -170,11 +175,14 @@ async def room_for_new_work(request: Request) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _admitted(request: Request, items: int) -> AsyncIterator[None]:
-    """Backpressure: 503 when Redis is nearly full (:func:`room_for_new_work`); 429 with
-    ``Retry-After`` when ``items`` more would pass the backlog limit; else the block stores
-    their job, counted as this gateway's until it ends (:meth:`Backlog.storing`)."""
-    await room_for_new_work(request)
+async def _admitted(
+    request: Request, items: int, adding: int = 0, what: str = ""
+) -> AsyncIterator[None]:
+    """Backpressure: 503 when Redis is nearly full, or would be with the ``adding`` bytes of
+    ``what`` (:func:`room_for_new_work`); 429 with ``Retry-After`` when ``items`` more would
+    pass the backlog limit; else the block stores their job, counted as this gateway's until
+    it ends (:meth:`Backlog.storing`)."""
+    await room_for_new_work(request, adding, what)
     backlog: Backlog | None = getattr(request.app.state, "backlog", None)
     if backlog is None or backlog.limit <= 0:
         yield

@@ -195,3 +195,53 @@ def test_the_openapi_document_tells_the_two_503s_apart(client: TestClient) -> No
         said = paths[path][method]["responses"]["503"]["description"]
         assert "`unavailable`" in said and "`job_store_full`" in said, (path, said)
         assert "nothing was stored" in said, (path, said)
+
+
+@pytest.fixture
+def four_fifths_full(store: JobStore) -> Iterator[int]:
+    """The server's memory limit set so what it holds is 80 % of it (20 MB held), under the
+    gateway's 90 % for new jobs; yields the limit."""
+    store.redis.setrange("ballast", 20_000_000 - 1, b"x")  # grown in place: see nearly_full
+    limit = int(int(store.redis.info("memory")["used_memory"]) / 0.8)
+    store.redis.config_set("maxmemory", limit)
+    yield limit
+    store.redis.config_set("maxmemory", 0)
+    store.redis.delete("ballast")
+
+
+def _batch_of(n: int, prefix: str) -> dict[str, object]:
+    return {"index": "docs", "queries": [{"id": f"{prefix}{i}", "query": "tea"} for i in range(n)]}
+
+
+def test_a_batch_whose_own_results_would_fill_the_job_store_is_refused_whole(
+    client: TestClient, store: JobStore, four_fifths_full: int
+) -> None:
+    """Admission read Redis's memory as it stood, not what the batch would add: at 80 % of
+    maxmemory a batch whose items and results take more than the room left was taken, and
+    it filled Redis: its items' writes were refused, and the worker's broker writes (a
+    message taken, its ack), which stopped the worker, the batch left unfinished. The
+    batch's own bytes are counted now: one that would take Redis past 90 % is refused whole,
+    naming what it would add; one that fits is still taken. One that alone would pass the
+    90 % is a 422 naming its queries: no retry admits it."""
+    limit = four_fifths_full
+    room = int(0.1 * limit)  # from 80 % to the 90 % new jobs are refused past
+    # some 4.6 kB an item of 10 hits: more than the room, and a tenth of it
+    too_large, fits = room // 1_000, room // 46_000
+    keys = sorted(store.redis.keys())
+    refused = client.post("/v1/batches", json=_batch_of(too_large, "big"), headers=ACME)
+    assert refused.status_code == 503, refused.text
+    error = refused.json()["error"]
+    assert error["type"] == "job_store_full", error
+    message = error["message"]
+    assert f"this batch of {too_large} queries" in message and "past 90%" in message, message
+    assert "nothing was stored" in message and "SIFT_RESULT_RETENTION_SECONDS" in message
+    assert refused.headers["retry-after"] == "30", refused.headers
+    assert sorted(store.redis.keys()) == keys
+    taken = client.post("/v1/batches", json=_batch_of(fits, "small"), headers=ACME)
+    assert taken.status_code == 202, taken.text
+    never = int(0.9 * limit) // 4_000
+    refused = client.post("/v1/batches", json=_batch_of(never, "huge"), headers=ACME)
+    assert refused.status_code == 422, refused.text
+    error = refused.json()["error"]
+    assert error["type"] == "invalid_request" and error["field"] == "queries", error
+    assert "no retry admits it" in error["message"], error

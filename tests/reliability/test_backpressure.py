@@ -15,8 +15,18 @@ import pytest
 import redis
 
 from api_gateway.backpressure import READ_EVERY_SECONDS
-from tests.reliability.support import ACME, INDEX, stack_env, wait_for
-from tests.services import gateway, redis_server
+from tests.fake_anthropic import FakeAnthropic
+from tests.reliability.support import (
+    ACME,
+    INDEX,
+    Receiver,
+    batch_counts,
+    ingest,
+    stack_env,
+    submit_batch,
+    wait_for,
+)
+from tests.services import celery_worker, gateway, redis_server
 from worker.constants import STATS_KEY
 
 pytestmark = pytest.mark.integration
@@ -148,3 +158,45 @@ def test_a_batch_larger_than_the_whole_limit_is_422_not_a_429_to_retry(
             f"of at most {LIMIT}"
         ), error
         assert _queued(url) == before
+
+
+def test_a_batch_that_would_fill_redis_is_refused_and_one_that_fits_ends(
+    tmp_path: Path, model: FakeAnthropic, receiver: Receiver
+) -> None:
+    """A real worker at the defaults, Redis (``noeviction``) at 80 % of its maxmemory. The
+    gateway read only the memory held, so it took a batch whose results filled Redis: its
+    items' writes were refused, the worker's broker writes too (a message taken, then its
+    ack), which stopped the worker, and the batch stayed queued with nothing to run it. Its
+    bytes are counted now: refused whole, with a 503 naming it; one that fits runs to its
+    end, its counts and its webhook saying so."""
+    with redis_server(tmp_path / "redis") as base, redis.Redis.from_url(base + "/0") as r:
+        url = base + "/0"
+        env = stack_env(url, model.url)
+        with (
+            gateway(tmp_path / "g", env) as gw,
+            httpx.Client(base_url=gw, timeout=30) as client,
+            celery_worker(tmp_path / "w", env, "w1") as worker,
+        ):
+            ingest(client)
+            limit = 10_000_000
+            used = int(r.info("memory")["used_memory"])
+            r.setrange("ballast", int(0.8 * limit) - used, b"x")  # grown in place
+            r.config_set("maxmemory", limit)
+            time.sleep(READ_EVERY_SECONDS)  # the gateway's next request reads it again
+            # some 4.6 kB an item of 10 hits with its result: twice the room to 90 %, a fifth
+            refused = client.post("/v1/batches", json=_batch(430, "big"), headers=ACME)
+            assert refused.status_code == 503, refused.text
+            error = refused.json()["error"]
+            assert error["type"] == "job_store_full", error
+            assert "this batch of 430 queries" in error["message"], error
+            batch_id = submit_batch(client, 40, webhook_url=receiver.url)
+            wait_for(
+                lambda: batch_counts(client, batch_id)["counts"]["succeeded"] == 40,
+                "the batch's end",
+            )
+            wait_for(lambda: receiver.for_job(batch_id), "the batch's webhook")
+            done = client.get(f"/v1/batches/{batch_id}", headers=ACME).json()
+            assert done["status"] == "succeeded", done
+            assert receiver.for_job(batch_id)[0].body["data"]["status"] == "succeeded"
+            assert worker.poll() is None  # the worker runs on
+            assert int(r.info("memory")["used_memory"]) < limit

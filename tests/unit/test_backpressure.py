@@ -1,4 +1,5 @@
-"""The backlog admission: a cached reading, all-or-nothing, and admitted work counted at once."""
+"""The backlog admission: a cached reading, all-or-nothing, and admitted work counted at once;
+the job store's memory admission: a batch judged with the bytes it will add."""
 
 from __future__ import annotations
 
@@ -6,7 +7,15 @@ import asyncio
 
 import pytest
 
-from api_gateway.backpressure import READ_EVERY_SECONDS, Backlog, BacklogFull
+from api_gateway.backpressure import (
+    READ_EVERY_SECONDS,
+    Backlog,
+    BacklogFull,
+    StoreFull,
+    StoreMemory,
+    TooLargeForStore,
+    batch_bytes,
+)
 
 
 class FakeAsyncReading:
@@ -118,3 +127,57 @@ def test_work_admitted_and_not_stored_yet_is_added_to_a_new_reading() -> None:
             await backlog.admit(1)
 
     asyncio.run(scenario())
+
+
+def test_a_batch_is_judged_with_the_bytes_it_adds_and_counted_until_the_next_reading() -> None:
+    """At 80 % of maxmemory a batch that would take Redis past 90 % is refused (it was taken:
+    only the memory held was read); one that fits is taken and counted, so the next one
+    before a new reading is judged with it; a new reading replaces the count."""
+
+    async def scenario() -> None:
+        now, held = [0.0], [800]
+
+        async def read() -> tuple[int, int]:
+            return held[0], 1_000
+
+        memory = StoreMemory(read, clock=lambda: now[0])
+        with pytest.raises(StoreFull) as info:
+            await memory.admit(150, "this batch of 3 queries")
+        said = str(info.value)
+        assert "no room for this batch of 3 queries" in said and "80%" in said, said
+        assert "past 90%" in said and "nothing was stored" in said, said
+        await memory.admit(60, "a batch")  # 860
+        with pytest.raises(StoreFull):
+            await memory.admit(60, "a batch")  # 920, counted with the first
+        await memory.admit()  # a search: nothing added to judge
+        now[0] += READ_EVERY_SECONDS
+        held[0] = 810  # the reading now holds the first batch
+        await memory.admit(60, "a batch")
+
+    asyncio.run(scenario())
+
+
+def test_a_batch_larger_than_the_share_new_jobs_may_fill_is_refused_for_good() -> None:
+    """Retrying it would never help, even on an empty Redis: not the 503 that says retry."""
+
+    async def scenario() -> None:
+        async def read() -> tuple[int, int]:
+            return 0, 1_000_000
+
+        memory = StoreMemory(read)
+        with pytest.raises(TooLargeForStore) as info:
+            await memory.admit(900_000, "this batch of 9 queries")
+        said = str(info.value)
+        assert said.startswith("this batch of 9 queries would take about 0.9 MB"), said
+        assert "no retry admits it" in said and "smaller batches" in said, said
+        await memory.admit(899_999, "this batch of 9 queries")
+
+    asyncio.run(scenario())
+
+
+def test_a_batch_s_bytes_grow_with_its_specs_its_hits_and_its_traces() -> None:
+    one = batch_bytes([("q1", "{}")], hits=10, traced=False)
+    assert batch_bytes([("q1", "{}" + "x" * 100)], hits=10, traced=False) == one + 100
+    assert batch_bytes([("q1", "{}")], hits=100, traced=False) > 5 * one
+    assert batch_bytes([("q1", "{}")], hits=10, traced=True) > 1.5 * one
+    assert batch_bytes([("q1", "{}"), ("q2", "{}")], hits=20, traced=False) == 2 * one
