@@ -233,3 +233,34 @@ def test_timed_out_messages_come_back_first_in_the_order_taken(tmp_path: Path) -
         with sweeping:
             sweeping.default_channel.qos.restore_visible(num=None)  # as kombu's cycle calls it
             assert _take(sweeping, batch, 3) == ["A1", "A2", "B1"]
+
+
+def test_a_task_that_ends_while_redis_is_at_its_maxmemory_is_acked(tmp_path: Path) -> None:
+    """Redis at its ``maxmemory`` (``noeviction``) refuses every command queued in a
+    ``MULTI``, deletes too, and kombu's ack is a ``MULTI`` of two deletes: it raised
+    ``OutOfMemoryError``, which stopped a Celery worker ("Unrecoverable error") with its batch
+    items ``running``. Sent alone, the deletes go through: the message leaves ``unacked``."""
+    with _fifo_broker(tmp_path) as (connection, batch, _search, producer):
+        _publish(producer, "A1")
+        received: list[Message] = []
+        consumer = Consumer(
+            connection.default_channel, [batch], prefetch_count=1,
+            callbacks=[lambda _body, message: received.append(message)],
+        )  # fmt: skip
+        consumer.consume()
+        connection.drain_events(timeout=5)
+        client = redis.Redis(connection.hostname, connection.port or 6379, db=0)
+        try:
+            assert len(received) == 1 and client.hlen("unacked") == 1
+            used = int(client.info("memory")["used_memory"])
+            client.config_set("maxmemory", used // 2)
+            try:
+                with pytest.raises(redis.exceptions.OutOfMemoryError):  # the refusal is real
+                    client.set("probe", "1")
+                received[0].ack()
+                held = client.hlen("unacked"), client.zcard("unacked_index")
+            finally:
+                client.config_set("maxmemory", 0)
+        finally:
+            client.close()
+        assert held == (0, 0)

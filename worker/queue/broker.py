@@ -86,8 +86,19 @@ class QoS(kombu_redis.QoS):
         self._restored: dict[str, tuple[dict[str, Any], list[str]]] = {}
 
     def ack(self, delivery_tag: str) -> None:
+        """kombu's ack, its two deletes sent without ``MULTI``: Redis at its ``maxmemory``
+        (``noeviction``) refuses every command queued in a ``MULTI``, deletes too, so the
+        ack of a task that ended then raised, and Celery's worker stopped ("Unrecoverable
+        error"), its batch items left ``running`` with nothing to run them. Alone, the
+        deletes go through. The hash first: a tag left in the index alone is dropped by the
+        next ``restore_visible``, which finds no message for it."""
         self._restored.pop(delivery_tag, None)
-        super().ack(delivery_tag)  # type: ignore[no-untyped-call]
+        with self.channel.conn_or_acquire() as client:
+            pipe = client.pipeline(transaction=False)
+            pipe.hdel(self.unacked_key, delivery_tag)
+            pipe.zrem(self.unacked_index_key, delivery_tag)
+            pipe.execute()
+        virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         in_hand = self._restored.pop(delivery_tag, None)
