@@ -589,8 +589,12 @@ return held
 # to its retry: dropping it had the retry pay for the call again. KEYS: the hash. ARGV: the
 # field, the run's token, and '0' when the run's seconds are not to be added (a batch item
 # handed back by its stopping worker: its run starts again whole, as a run taken over does).
-# Returns 1 when that run still held it.
-_RELEASE_RUN = """
+# Returns 1 when that run still held it. Flagged allow-oom: it only shortens the field, so it
+# runs on a Redis at its maxmemory (noeviction), which refuses every other write. A chunk run
+# that ended there (its items' finishes refused) held its claim on: the re-drive took the
+# chunk's positions for a live run's for the claim's lease (25 search deadlines), and the
+# items stayed running long after Redis had room again.
+_RELEASE_RUN = """#!lua flags=allow-oom
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if not cur then return 0 end
 local u, since, token, kept = string.match(cur, '^([^|]*)|[^|]*|([^|]*)|([^|]*)|?[^|]*|?(.*)$')
