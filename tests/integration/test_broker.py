@@ -264,3 +264,31 @@ def test_a_task_that_ends_while_redis_is_at_its_maxmemory_is_acked(tmp_path: Pat
         finally:
             client.close()
         assert held == (0, 0)
+
+
+def test_a_message_taken_while_redis_is_at_its_maxmemory_is_delivered(tmp_path: Path) -> None:
+    """kombu records a message taken (``BRPOP``) in ``unacked`` with a ``MULTI``, which Redis
+    at its ``maxmemory`` refuses: it raised ``OutOfMemoryError`` with the message off its
+    queue, which stopped a Celery worker and lost the message. It is delivered unrecorded
+    now, and its ack, with nothing to delete, goes through."""
+    with _fifo_broker(tmp_path) as (connection, batch, _search, producer):
+        _publish(producer, "A1")
+        client = redis.Redis(connection.hostname, connection.port or 6379, db=0)
+        received: list[Message] = []
+        consumer = Consumer(
+            connection.default_channel, [batch], prefetch_count=1,
+            callbacks=[lambda _body, message: received.append(message)],
+        )  # fmt: skip
+        consumer.consume()  # declared while Redis had room (a declare writes too)
+        try:
+            used = int(client.info("memory")["used_memory"])
+            client.config_set("maxmemory", used // 2)
+            try:
+                connection.drain_events(timeout=5)
+                assert [message.payload["n"] for message in received] == ["A1"]
+                received[0].ack()
+            finally:
+                client.config_set("maxmemory", 0)
+            assert client.hlen("unacked") == 0 and client.llen("batch") == 0
+        finally:
+            client.close()

@@ -55,13 +55,17 @@ over real workers.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
+import redis
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
+
+log = logging.getLogger(__name__)
 
 TRANSPORT = "worker.queue.broker:Transport"
 
@@ -84,6 +88,21 @@ class QoS(kombu_redis.QoS):
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
         # tag -> (the message the close put back while its task ran on, the queues it went to)
         self._restored: dict[str, tuple[dict[str, Any], list[str]]] = {}
+
+    def append(self, message: Any, delivery_tag: str) -> None:
+        """kombu's record of a message taken (in ``unacked``, a ``MULTI`` of two writes),
+        or, on a Redis at its ``maxmemory`` that refuses it, none: the message runs
+        unrecorded, as if taken by a worker that dies before its ack (the re-drive sends its
+        work again). The ``BRPOP`` has taken it off its queue already; raising, it stopped
+        Celery's worker ("Unrecoverable error") and was lost with it."""
+        try:
+            super().append(message, delivery_tag)  # type: ignore[no-untyped-call]
+        except redis.exceptions.OutOfMemoryError as exc:
+            log.warning(
+                "broker: Redis refused to record message %s taken (%s); it runs unrecorded",
+                delivery_tag, exc,
+            )  # fmt: skip
+            virtual.QoS.append(self, message, delivery_tag)  # type: ignore[no-untyped-call]
 
     def ack(self, delivery_tag: str) -> None:
         """kombu's ack, its two deletes sent without ``MULTI``: Redis at its ``maxmemory``
