@@ -245,3 +245,27 @@ def test_a_batch_whose_own_results_would_fill_the_job_store_is_refused_whole(
     error = refused.json()["error"]
     assert error["type"] == "invalid_request" and error["field"] == "queries", error
     assert "no retry admits it" in error["message"], error
+
+
+def test_a_batch_s_results_still_read_on_a_full_job_store(
+    client: TestClient, store: JobStore
+) -> None:
+    """Redis at its maxmemory refuses every command queued in a ``MULTI``, reads too, and a
+    page of a batch's results was read in one: a ``503`` where a client reading its results
+    (to erase the batch after, and free room) should have them."""
+    made = client.post("/v1/batches", json=_batch_of(3, "r"), headers=ACME)
+    assert made.status_code == 202, made.text
+    batch_id = made.json()["id"]
+    used = int(store.redis.info("memory")["used_memory"])
+    store.redis.config_set("maxmemory", used // 2)
+    try:
+        read = client.get(f"/v1/batches/{batch_id}/results", headers=ACME)
+    finally:
+        store.redis.config_set("maxmemory", 0)
+    assert read.status_code == 200, read.text
+    lines = read.json()["results"]
+    assert [(line["query_id"], line["status"]) for line in lines] == [
+        ("r0", "queued"),
+        ("r1", "queued"),
+        ("r2", "queued"),
+    ], lines

@@ -418,21 +418,20 @@ class BatchRecords(_StoreCore):
     def batch_results_page(self, batch_id: str, start: int, count: int) -> list[ItemOutcome] | None:
         """``count`` results from position ``start``, in submission order; None if the batch
         is gone (erased or expired) when they are read. Its record is read in the one
-        transaction that reads its items, so an erase coming between the page's reads is
-        seen: it made a page of ``[]`` (the order read after it), or of items each read as
-        ``queued`` with no outcome (read after it), answered with a token for the next page."""
+        snapshot that reads its items (_READ_RESULTS_PAGE: a MULTI would be refused at Redis's
+        maxmemory), so an erase coming between the page's reads is seen: it made a page of
+        ``[]`` (the order read after it), or of items each read as ``queued`` with no outcome
+        (read after it), answered with a token for the next page."""
         qids = self.batch_query_ids(batch_id, start, start + count)
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.exists(BATCH_KEY + batch_id)
-        if qids:
-            pipe.hmget(BATCH_ITEMS_KEY + batch_id, qids)
-            pipe.hmget(BATCH_RESULTS_KEY + batch_id, qids)
-        kept, *read = pipe.execute()
+        keys = [BATCH_KEY + batch_id, BATCH_ITEMS_KEY + batch_id, BATCH_RESULTS_KEY + batch_id]
+        kept, statuses, outcomes = cast(
+            tuple[int, list[str | None], list[str | None]],
+            self._read_results_page(keys=keys, args=qids),
+        )
         if not kept:
             return None
         if not qids:
             return []
-        statuses, outcomes = cast(list[list[str | None]], read)
         return [
             ItemOutcome(qid, JobStatus(status or "queued"), outcome or None)
             for qid, status, outcome in zip(qids, statuses, outcomes, strict=True)

@@ -1045,3 +1045,17 @@ for i = 1, #ARGV do
 end
 return out
 """
+
+
+# KEYS: a batch's record, its items, its results. ARGV: query ids. Returns whether the record
+# exists, then each item's status and each one's outcome (false if none): one snapshot, so an
+# erase between the reads is seen. A script, not a MULTI: at Redis's maxmemory every command
+# queued in a MULTI is refused, reads too, and a page of results was a 503 job_store_full.
+_READ_RESULTS_PAGE = """
+local statuses, outcomes = {}, {}
+for i = 1, #ARGV do
+  statuses[i] = redis.call('HGET', KEYS[2], ARGV[i])
+  outcomes[i] = redis.call('HGET', KEYS[3], ARGV[i])
+end
+return {redis.call('EXISTS', KEYS[1]), statuses, outcomes}
+"""

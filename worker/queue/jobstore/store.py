@@ -76,6 +76,7 @@ from worker.queue.jobstore.scripts import (
     _LET_GO_DELETE_CHAIN,
     _NOTE_OUTAGE,
     _READ_JOBS,
+    _READ_RESULTS_PAGE,
     _RELEASE_IDEMPOTENCY,
     _RELEASE_RUN,
     _SAVE_PREPARED,
@@ -209,6 +210,7 @@ class _StoreCore:
         self._end_delete_chain = client.register_script(_END_DELETE_CHAIN)
         self._let_go_delete_chain = client.register_script(_LET_GO_DELETE_CHAIN)
         self._read_jobs = client.register_script(_READ_JOBS)
+        self._read_results_page = client.register_script(_READ_RESULTS_PAGE)
         # status transitions that threads ask for while one round trip is out go together
         # in the next (a worker's hundreds of threads each make two per search)
         self._transitions: Coalescer[list[_ScriptCall], list[Any]] = Coalescer(
