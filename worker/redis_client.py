@@ -274,6 +274,25 @@ def evicting_policy(info: dict[str, Any] | None) -> str | None:
     return None if policy in (None, NOEVICTION) else str(policy)
 
 
+#: The oldest Redis Sift runs on: its scripts declare flags (``#!lua flags=allow-oom``: a run's
+#: claim let go on a full Redis), which Redis 6 cannot load.
+OLDEST_REDIS = (7, 0)
+
+
+def too_old(info: dict[str, Any] | None) -> str | None:
+    """The ``redis_version`` of ``INFO server``'s ``info`` when it is older than
+    :data:`OLDEST_REDIS`, else None (unknown too: INFO refused, or Redis not answering).
+
+    >>> too_old({"redis_version": "6.2.14"}), too_old({"redis_version": "7.0.15"})
+    ('6.2.14', None)
+    >>> too_old({"redis_version": "10.0.0"}), too_old(None)
+    (None, None)
+    """
+    version = str((info or {}).get("redis_version", ""))
+    parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+    return version if len(parts) == 2 and parts < OLDEST_REDIS else None
+
+
 def has_memory_limit(info: dict[str, Any] | None) -> bool:
     """Whether ``INFO memory``'s ``info`` gives Redis a ``maxmemory``: with none (0, Redis's
     default) it is never full, so no policy evicts anything (until one is set).

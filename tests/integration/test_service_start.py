@@ -9,10 +9,14 @@ start-up. Real processes, as a newcomer runs them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -229,6 +233,66 @@ def test_an_evicting_redis_is_one_line_naming_its_policy(
     assert ran.returncode == 2, said
     assert f"maxmemory-policy {policy}" in said, said
     assert "maxmemory-policy noeviction" in said and "SIFT_REDIS_URL" in said, said
+    assert "Traceback" not in said and len(said.strip().splitlines()) == 1, said
+
+
+@contextlib.contextmanager
+def _redis_saying_version_6(port: int) -> Iterator[str]:
+    """A TCP proxy to the redis-server on ``port`` whose ``INFO`` says ``redis_version:6.``
+    where Redis said ``7.`` (the same length: the reply's framing holds); every other byte
+    passes as it is. The machine's apt has no Redis 6 to run."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    links: list[socket.socket] = []
+
+    def pipe(src: socket.socket, dst: socket.socket, rewrite: bool) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(
+                    data.replace(b"redis_version:7.", b"redis_version:6.") if rewrite else data
+                )
+        for sock in (src, dst):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                down, _ = listener.accept()
+                up = socket.create_connection(("127.0.0.1", port))
+                links.extend([down, up])
+                threading.Thread(target=pipe, args=(down, up, False), daemon=True).start()
+                threading.Thread(target=pipe, args=(up, down, True), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"redis://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.close()
+        for sock in links:
+            sock.close()
+
+
+@pytest.mark.parametrize("args", [["worker", "--processes", "1"], ["gateway", "--port"]])
+def test_a_redis_older_than_7_is_one_line_naming_its_version(
+    tmp_path: Path, args: list[str]
+) -> None:
+    """Redis 6 cannot load a script that declares flags (the release of a run's claim, flagged
+    ``allow-oom`` so that it runs on a full Redis): a worker on one would start, and fail
+    each batch chunk's release. The gateway and the worker stop at their start, one line
+    naming the version Redis reports and the one Sift needs."""
+    if args[-1] == "--port":
+        args = [*args, str(free_port())]
+    port = free_port()
+    with redis_server(tmp_path / "redis", port=port), _redis_saying_version_6(port) as url:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SIFT_")}
+        env.update(SIFT_DATA_DIR=str(tmp_path / "data"), SIFT_WORKER_METRICS_PORT="0")
+        env.update(SIFT_REDIS_URL=url + "/0", COLUMNS="200")
+        ran = subprocess.run(
+            [SIFT, *args], env=env, capture_output=True, text=True, timeout=60, check=False
+        )
+    said = ran.stdout + ran.stderr
+    assert ran.returncode == 2, said
+    assert "SIFT_REDIS_URL: Redis 6." in said and "7.0 or later" in said, said
     assert "Traceback" not in said and len(said.strip().splitlines()) == 1, said
 
 

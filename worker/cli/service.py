@@ -258,11 +258,27 @@ def _require_redis_database(settings: Settings) -> None:
 
 def _check_redis_config(settings: Settings, *, channels: bool = True) -> None:
     """The start checks of how the Redis of ``SIFT_REDIS_URL`` is configured: Pub/Sub
-    channels for the workers (``channels``), ``noeviction``, and the AOF (warned of only)."""
+    channels for the workers (``channels``), ``noeviction``, and the AOF (warned of only);
+    first, its version."""
+    _require_redis_version(settings)
     if channels:
         _require_channels(settings)
     _require_noeviction(settings)
     _warn_no_aof(settings)
+
+
+def _require_redis_version(settings: Settings) -> None:
+    """Stop (exit 2, one line naming the version) a gateway or worker whose Redis is older than
+    7.0: a script of Sift's declares flags, which Redis 6 refuses to load, so a batch chunk's
+    run could never let its claim go. Read from ``INFO server``; unknown (INFO refused) lets
+    it start, as the other checks do."""
+    from worker.redis_client import OLDEST_REDIS, info_at_start, too_old
+
+    if settings.redis_url and (version := too_old(info_at_start(settings.redis_url, "server"))):
+        _stop(
+            f"SIFT_REDIS_URL: Redis {version} is older than Sift needs "
+            f"({'.'.join(map(str, OLDEST_REDIS))} or later): upgrade it"
+        )
 
 
 def _require_channels(settings: Settings) -> None:
