@@ -159,10 +159,10 @@ def worker(
         _require_model_cache(settings)
         _require_metrics_dir()
         _check_backend(settings)
+        shared = _share_data_dir(settings)  # what needs no Redis is checked before its wait
         _wait_for_redis(settings)  # the checks after it read Redis: not answering passes them
         _require_redis_database(settings)
         _check_redis_config(settings)
-        shared = _share_data_dir(settings)
     count = 1 if supervised_by else resolve_processes(settings.worker_processes)
     if count > 1:
         args = ["--queues", queues]
