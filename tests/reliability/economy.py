@@ -64,6 +64,18 @@ def worker(directory: Path, env: dict[str, str], name: str) -> Iterator[subproce
         yield proc
 
 
+def without_model(env: dict[str, str]) -> dict[str, str]:
+    """The same worker's settings with rerank turned off and no model."""
+    env = {k: v for k, v in env.items() if k != "SIFT_GENERATION_MODEL"}
+    return env | {"SIFT_RERANK_ENABLED": "false"}
+
+
+def worker_log(directory: Path, name: str) -> str:
+    """What worker ``name`` of :func:`worker` has logged so far ('' before it starts)."""
+    path = directory / f"{name}.log"
+    return path.read_text() if path.exists() else ""
+
+
 def submit_economy(client: httpx.Client, n: int, webhook_url: str | None = None) -> str:
     """An economy-lane batch of ``n`` sample queries, each result with its trace."""
     return submit_batch(client, n, webhook_url=webhook_url, lane="economy", include_trace=True)

@@ -34,7 +34,9 @@ from tests.reliability.economy import (
     economy_stack,
     finished,
     submit_economy,
+    without_model,
     worker,
+    worker_log,
 )
 from tests.reliability.support import (
     Receiver,
@@ -61,26 +63,15 @@ def hooks() -> Iterator[Receiver]:
     yield from webhook_receiver()
 
 
-def _without_model(env: dict[str, str]) -> dict[str, str]:
-    """The same worker's settings with rerank turned off and no model."""
-    env = {k: v for k, v in env.items() if k != "SIFT_GENERATION_MODEL"}
-    return env | {"SIFT_RERANK_ENABLED": "false"}
-
-
-def _log(directory: Path, name: str) -> str:
-    path = directory / f"{name}.log"
-    return path.read_text() if path.exists() else ""
-
-
 def _took_and_asked_again(directory: Path, task: str) -> None:
     """The worker without the model took ``task`` and retried it (Celery logs ``<task>[<id>]
     retry``), failing nothing: waited for until it retried or failed, whichever came."""
     retried = re.compile(re.escape(task) + r"\[[^\]]+\] retry")
     failed = ("raised unexpected", "failed for good")
-    wait_for(lambda: bool(retried.search(text := _log(directory, "nomodel")))
+    wait_for(lambda: bool(retried.search(text := worker_log(directory, "nomodel")))
              or any(f in text for f in failed), "the worker without the model took " + task,
              180)  # fmt: skip
-    text = _log(directory, "nomodel")
+    text = worker_log(directory, "nomodel")
     assert "SIFT_GENERATION_MODEL" in text, text
     assert not any(f in text for f in failed), text
 
@@ -102,7 +93,7 @@ def test_a_poll_taken_by_a_worker_without_the_model_is_asked_again_not_failed(
             ingest(client)
             batch_id = submit_economy(client, ITEMS)
             wait_for(lambda: bool(model.batches()), "the provider batch made", 120)
-        with worker(tmp_path / "w", _without_model(env), "nomodel"):
+        with worker(tmp_path / "w", without_model(env), "nomodel"):
             _took_and_asked_again(tmp_path / "w", "sift.economy_poll")
         assert not finished(client, batch_id), batch_counts(client, batch_id)
         with worker(tmp_path / "w", env, "model2"):
@@ -120,9 +111,9 @@ def test_a_submission_taken_by_a_worker_without_the_model_is_asked_again_not_fai
         with worker(tmp_path / "w", env, "model"):
             ingest(client)
             batch_id = submit_economy(client, ITEMS)
-            wait_for(lambda: "submission failed, retrying" in _log(tmp_path / "w", "model"),
+            wait_for(lambda: "submission failed, retrying" in worker_log(tmp_path / "w", "model"),
                      "the submission's retry", 120)  # fmt: skip
-        with worker(tmp_path / "w", _without_model(env), "nomodel"):
+        with worker(tmp_path / "w", without_model(env), "nomodel"):
             _took_and_asked_again(tmp_path / "w", "sift.economy_submit")
         counts = batch_counts(client, batch_id)
         assert not finished(client, batch_id) and counts["counts"]["failed"] == 0, counts
@@ -156,9 +147,9 @@ def test_items_never_sent_end_by_the_failure_policy_once_the_deadline_passes_wit
         with worker(tmp_path / "w", env, "model"):
             ingest(client)
             batch_id = submit_economy(client, ITEMS, webhook_url=hooks.url)
-            wait_for(lambda: "submission failed, retrying" in _log(tmp_path / "w", "model"),
+            wait_for(lambda: "submission failed, retrying" in worker_log(tmp_path / "w", "model"),
                      "the submission's retry", 120)  # fmt: skip
-        with worker(tmp_path / "w", _without_model(env), "nomodel"):
+        with worker(tmp_path / "w", without_model(env), "nomodel"):
             wait_for(lambda: finished(client, batch_id), "the batch finished", 420)
             wait_for(lambda: bool(hooks.for_job(batch_id)), "the batch.completed webhook", 60)
         assert model.batches() == []  # nothing was ever sent, nor billed
@@ -177,4 +168,4 @@ def test_items_never_sent_end_by_the_failure_policy_once_the_deadline_passes_wit
         [delivery] = hooks.for_job(batch_id)
         assert delivery.body["type"] == "batch.completed", delivery.body
         assert delivery.body["data"]["status"] == batch["status"], (delivery.body, batch)
-        assert "failed for good" not in _log(tmp_path / "w", "nomodel")
+        assert "failed for good" not in worker_log(tmp_path / "w", "nomodel")
