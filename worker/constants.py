@@ -111,6 +111,9 @@ WORKER_HEARTBEAT_KEY = REDIS_PREFIX + "worker-alive:"  # + worker id -> string w
 WORKERS_KEY = REDIS_PREFIX + "workers"  # set: worker ids beating, until found dead or stopped
 DELIVERY_OWNERS_KEY = REDIS_PREFIX + "deliveries"  # hash delivery tag -> worker id holding it
 LIVENESS_LEADER_KEY = REDIS_PREFIX + "liveness:leader"  # string: the worker checking this beat
+# string with the heartbeat's TTL, set at each beat of every worker that can send an economy
+# batch (a generation model, the batch queue consumed): that model, while one such worker lives
+ECONOMY_SENDER_KEY = REDIS_PREFIX + "economy-sender"
 # hash: worker id -> when the checks first found it without a heartbeat; "~last": the last check
 LIVENESS_SUSPECTS_KEY = REDIS_PREFIX + "liveness:suspects"
 # the provider's rate limits, one budget for every worker process (worker/adapters/rate_budget/)

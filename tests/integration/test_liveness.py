@@ -22,13 +22,14 @@ from worker.constants import (
     ALL_QUEUES,
     BATCH_QUEUE,
     DELIVERY_OWNERS_KEY,
+    ECONOMY_SENDER_KEY,
     KOMBU_UNACKED_INDEX_KEY,
     KOMBU_UNACKED_KEY,
     REDRIVE_URGENT_KEY,
     SEARCH_QUEUE,
     WORKERS_KEY,
 )
-from worker.queue.liveness import Liveness
+from worker.queue.liveness import Liveness, economy_model, economy_sender_alive
 from worker.queue.reaper import Reaper, heartbeat_key, plan_restore
 
 pytestmark = pytest.mark.integration
@@ -293,6 +294,29 @@ def test_a_worker_records_what_it_holds_and_drops_it_after_the_ack(client: redis
     assert client.hgetall(DELIVERY_OWNERS_KEY) == {"t2": "w2"}
     liveness.stop()
     assert not client.exists(heartbeat_key("w1"))
+
+
+def test_a_worker_that_can_send_economy_batches_says_so_at_each_beat(client: redis.Redis) -> None:
+    """Only a worker with a model that consumes the batch queue (where the economy lane's
+    submission goes) counts as one that can send economy batches; its beat sets the key with
+    the heartbeat's TTL, and a clean stop leaves it (another such worker may live: it
+    expires with the last one's heartbeat)."""
+    assert economy_model("claude-haiku-4-5", ALL_QUEUES) == "claude-haiku-4-5"
+    assert economy_model("claude-haiku-4-5", [SEARCH_QUEUE]) is None  # never takes one
+    assert economy_model(None, ALL_QUEUES) is None
+    without = Liveness(client, "w1", heartbeat_seconds=BEAT, dead_after_seconds=1.0,
+                       orphan_seconds=60, economy_model=None)  # fmt: skip
+    without.beat()
+    assert not economy_sender_alive(client)
+    sender = Liveness(client, "w2", heartbeat_seconds=BEAT, dead_after_seconds=1.0,
+                      orphan_seconds=60, economy_model="claude-haiku-4-5")  # fmt: skip
+    sender.beat()
+    assert economy_sender_alive(client)
+    assert client.get(ECONOMY_SENDER_KEY) == "claude-haiku-4-5"
+    assert 0 < client.pttl(ECONOMY_SENDER_KEY) <= 1000  # as long as its heartbeat lives
+    sender.stop()
+    without.stop()
+    assert economy_sender_alive(client)
 
 
 def test_a_delivery_acked_while_its_record_is_being_written_is_dropped_after(

@@ -187,13 +187,17 @@ def _start_redrive(sender: Any = None, **_: Any) -> None:
 
 def _start_liveness(sender: Any = None, **_: Any) -> None:
     """On worker start, keep this process's heartbeat and record the deliveries it holds, so
-    a dead worker's work comes back in seconds (:mod:`worker.queue.liveness`)."""
+    a dead worker's work comes back in seconds (:mod:`worker.queue.liveness`); its beats also
+    say whether it can send economy batches, which needs the queues it consumes (``-Q``,
+    selected before ``worker_init``)."""
     settings = _settings_of(sender)
     if settings is None or not settings.redis_url:
         return
     from worker.queue import liveness
 
-    liveness.start(settings.redis_url, settings)
+    app = getattr(sender, "app", None)
+    queues = list(app.amqp.queues.consume_from) if app is not None else []
+    liveness.start(settings.redis_url, settings, queues)
 
 
 def _received(sender: Any = None, request: Any = None, **_: Any) -> None:

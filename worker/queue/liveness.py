@@ -21,6 +21,12 @@ How. Each worker process (:class:`Liveness`, one thread):
   ``SIFT_WORKER_ORPHAN_DELIVERY_SECONDS`` (its worker died between taking it and recording
   it).
 
+A worker that can send an economy batch (it has a generation model and consumes the batch
+queue) also sets ``sift:economy-sender`` to its model at each beat, with the heartbeat's TTL:
+while the key lives, some such worker does, and a worker without the model leaves the
+batch's never-sent items to it past the economy deadline rather than ending them
+(:func:`economy_sender_alive`; :mod:`worker.queue.economy.submission`).
+
 The check, how a delivery goes back and what a dead worker can lose that no check puts
 back: :mod:`worker.queue.reaper`.
 
@@ -54,7 +60,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, cast
 
 import redis
@@ -62,7 +68,9 @@ from celery.worker.request import Request
 
 from worker.clock import CLOCK, FIRST_READINGS
 from worker.constants import (
+    BATCH_QUEUE,
     DELIVERY_OWNERS_KEY,
+    ECONOMY_SENDER_KEY,
     KOMBU_UNACKED_INDEX_KEY,
     LIVENESS_LEADER_KEY,
     WORKERS_KEY,
@@ -79,6 +87,25 @@ for i = 2, #ARGV do
 end
 return 0
 """
+
+
+def economy_model(model: str | None, queues: Collection[str]) -> str | None:
+    """The model this worker sends economy batches with: its generation model (``model``)
+    if it consumes the batch queue, where the economy lane's submission and polls go; None
+    if it cannot send one (no model, or the batch queue is not among ``queues``).
+
+    >>> economy_model("claude-haiku-4-5", ["sift.search", "sift.batch"])
+    'claude-haiku-4-5'
+    >>> economy_model("claude-haiku-4-5", ["sift.search"]) is None
+    True
+    """
+    return model if BATCH_QUEUE in queues else None
+
+
+def economy_sender_alive(client: redis.Redis) -> bool:
+    """Whether a worker that can send an economy batch lives (its beat, within the
+    heartbeat's TTL, set :data:`~worker.constants.ECONOMY_SENDER_KEY`): one Redis read."""
+    return bool(client.exists(ECONOMY_SENDER_KEY))
 
 
 def new_worker_id() -> str:
@@ -98,8 +125,10 @@ class Liveness:
         dead_after_seconds: float,
         orphan_seconds: float,
         redrive_interval_seconds: float = 0.0,
+        economy_model: str | None = None,
     ) -> None:
         self.client = client
+        self.economy_model = economy_model  # its beats say it can send economy batches
         self.worker_id = worker_id
         self.heartbeat_seconds = heartbeat_seconds
         self.dead_after_seconds = dead_after_seconds
@@ -260,15 +289,18 @@ class Liveness:
             self._wake.wait(max(0.0, next_beat - time.monotonic()))
 
     def beat(self) -> None:
-        """Refresh the heartbeat, re-assert the deliveries held (a write lost to a Redis
-        restart comes back), write what changed since the last flush, and read Redis's
-        clock again (this process's shared clock, :mod:`worker.clock`)."""
+        """Refresh the heartbeat (and, on a worker that can send economy batches,
+        :data:`~worker.constants.ECONOMY_SENDER_KEY`), re-assert the deliveries held (a write
+        lost to a Redis restart comes back), write what changed since the last flush, and
+        read Redis's clock again (this process's shared clock, :mod:`worker.clock`)."""
         ttl_ms = int(self.dead_after_seconds * 1000)
         pipe = self.client.pipeline(transaction=False)
         # the beat's time on the shared clock, which ``sift status`` reads its age against
         pipe.set(heartbeat_key(self.worker_id), repr(CLOCK.now()), px=ttl_ms, get=True)
         pipe.sadd(WORKERS_KEY, self.worker_id)
-        previous, _ = pipe.execute()
+        if self.economy_model is not None:
+            pipe.set(ECONOMY_SENDER_KEY, self.economy_model, px=ttl_ms)
+        previous = pipe.execute()[0]
         # this process's reading of the shared clock (worker/clock.py): a TIME of its own, its
         # round trip as short as one can be
         metrics.clock_skew("worker", CLOCK.read(self.client.time))
@@ -359,8 +391,9 @@ def run_owner() -> str:
     return _liveness.worker_id
 
 
-def start(redis_url: str, settings: Any) -> Liveness:
-    """Start this process's heartbeat and reaper (``worker_init``)."""
+def start(redis_url: str, settings: Any, queues: Collection[str] = ()) -> Liveness:
+    """Start this process's heartbeat and reaper (``worker_init``); ``queues``: those the
+    worker consumes."""
     global _liveness, _liveness_pid
     client = redis.Redis.from_url(
         redis_url,
@@ -376,6 +409,7 @@ def start(redis_url: str, settings: Any) -> Liveness:
         dead_after_seconds=settings.worker_dead_after_seconds,
         orphan_seconds=settings.worker_orphan_delivery_seconds,
         redrive_interval_seconds=settings.redrive_interval_seconds,
+        economy_model=economy_model(settings.generation_model_id, queues),
     )
     try:  # on the shared clock before the first task, and before a prefork child is forked
         for _ in range(FIRST_READINGS):  # the surest of a few kept: a busy start's are slow

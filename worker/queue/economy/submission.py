@@ -43,6 +43,7 @@ from worker.queue.economy.watch import (
     send_poll,
 )
 from worker.queue.jobstore import BatchJob
+from worker.queue.liveness import economy_sender_alive
 
 if TYPE_CHECKING:
     from worker.adapters.anthropic_batches import AnthropicMessageBatches
@@ -301,21 +302,30 @@ def submit(
 def _ended_without_model(
     task: SiftTask, batch: BatchJob, query_ids: Sequence[str], expected: str | None
 ) -> bool:
-    """On a worker with no generation model, past the economy deadline: end the items to
-    send that were never sent (:func:`end_without_model`), as the deadline ends them on a
-    worker with the model; True if none is left to send. One whose create is in doubt may
-    be in a provider batch: it waits, as the items sent do, for a worker with the model to
-    settle it (:func:`batches_client` asks again). Before, with no worker of the model left
-    in the pool, the submission was asked again for ever, its batch ``running``."""
+    """On a worker with no generation model, past the economy deadline, with no worker that
+    can send them alive in the pool: end the items to send that were never sent
+    (:func:`end_without_model`); True if none is left to send. One whose create is in doubt
+    may be in a provider batch: it waits, as the items sent do, for a worker with the model
+    to settle it (:func:`batches_client` asks again). Before, with no worker of the model
+    left in the pool, the submission was asked again for ever, its batch ``running``.
+
+    While a worker with the model and the batch queue lives (its beats,
+    :func:`~worker.queue.liveness.economy_sender_alive`), nothing ends: the submission is
+    asked again, for that worker to take a later try and send them. This worker's lack of
+    the model alone ended them, in a pool of mixed settings: the same items were sent or
+    failed ``no_generation_model`` by which worker took one message."""
     deadline = batch.created_at + task.context.settings.economy_deadline_seconds
     if task.context.batches is not None or clock.now() < deadline:
+        return False
+    if economy_sender_alive(task.context.store.redis):
         return False
     to_send = [(qid, run) for qid, _, run in running_items(task, batch, query_ids)
                if run["provider"] == expected]  # fmt: skip
     never_sent = [qid for qid, run in to_send if not run.get("pending")]
     if never_sent:
-        log.warning("batch %s: past its economy deadline with %s on this worker; %d items "
-                    "never sent end by the failure policy", batch.id, NO_CLIENT,
+        log.warning("batch %s: past its economy deadline with %s on this worker and no "
+                    "worker of the model alive; %d items never sent end by the failure "
+                    "policy", batch.id, NO_CLIENT,
                     len(never_sent))  # fmt: skip
         end_without_model(task, batch, never_sent)
     return len(never_sent) == len(to_send)
