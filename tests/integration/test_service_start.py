@@ -435,3 +435,44 @@ def test_a_redis_that_answers_late_gets_the_same_start_checks(
     assert "SIFT_REDIS_URL" in said and named in said, said[-4000:]
     assert "Unrecoverable error" not in said and "restarting" not in said, said[-4000:]
     assert "Traceback" not in said, said[-4000:]
+
+
+def _children(pid: int) -> list[int]:
+    """The pids of ``pid``'s child processes (``/proc``)."""
+    tasks = Path(f"/proc/{pid}/task")
+    found: list[int] = []
+    for task in tasks.iterdir():
+        with contextlib.suppress(OSError):
+            found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_process_that_refuses_its_restart_stops_its_supervisor(tmp_path: Path) -> None:
+    """``sift worker --processes 2`` started on a good API keys file, broken since: a worker
+    process killed (the OOM killer, say) is started again and refuses the file (exit 2, one
+    line naming it). Its supervisor started it again after each back-off for as long as it
+    ran, the refusal unchanged; it now stops the other process and exits 2 naming it."""
+    keys = tmp_path / "keys.json"
+    keys.write_text(
+        json.dumps([{"key": "acme-key-0001", "tenant": "acme", "webhook_secret": _OLD}])
+    )
+    with redis_server(tmp_path / "redis") as url:
+        env = {"SIFT_REDIS_URL": url + "/0", "SIFT_WORKER_METRICS_PORT": "0"}
+        env.update(SIFT_DATA_DIR=str(tmp_path / "data"), SIFT_API_KEYS_FILE=str(keys))
+        service = worker_service(tmp_path / "w", child_env(env, inherit_sift=False), processes=2)
+        assert service.log is not None
+        proc = service.start()
+        try:
+            service.wait_ready()
+            keys.write_text("[{")  # broken after the start
+            [first, *_] = _children(proc.pid)
+            os.kill(first, 9)
+            code = proc.wait(timeout=120)
+        finally:
+            stop(proc, service.stop_timeout)
+    said = service.log.read_text(errors="replace")
+    assert code == 2, said[-3000:]
+    assert said.count("restarting it in") == 1, said[-3000:]  # the killed one, once
+    assert "refused to start" in said and "SIFT_API_KEYS_FILE" in said, said[-3000:]
+    assert "Traceback" not in said, said[-3000:]

@@ -688,3 +688,37 @@ def test_one_port_for_the_gateway_and_the_worker_metrics_is_a_usage_error(tmp_pa
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert "--port" in said and "--metrics-port" in said and str(port) in said, said
     assert not (tmp_path / "d" / "logs").exists()
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_that_refuses_its_restart_stops_the_stack(tmp_path: Path) -> None:
+    """``sift up`` on an API keys file, broken once it runs: its worker killed (the OOM
+    killer, say) is started again and refuses the file (exit 2, one line naming it), which no
+    restart changes. ``sift up`` started it again after each back-off for as long as it ran;
+    it now stops the stack and exits 2 naming the refusal, no process left behind."""
+    keys = tmp_path / "keys.json"
+    secret = "whsec_YWNtZS1zZWNyZXQtMDEyMzQ1Njc4OQ=="
+    keys.write_text(
+        json.dumps([{"key": "acme-key-0001", "tenant": "acme", "webhook_secret": secret}])
+    )
+    data_dir, out, err = tmp_path / "data", tmp_path / "up.out", tmp_path / "up.err"
+    with open(out, "wb") as sink, open(err, "wb") as errors:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "worker.cli", "up", "--port", str(free_port()),
+             "--metrics-port", str(free_port()), "--data-dir", str(data_dir)],
+            cwd=tmp_path, env={**_env(), "SIFT_API_KEYS_FILE": str(keys)}, stdout=sink,
+            stderr=errors, start_new_session=True,
+        )  # fmt: skip
+    running = Stack(proc, out, data_dir, 0, 0, err)
+    try:
+        _wait_up_and_warm(running)
+        keys.write_text("[{")  # broken since the start
+        os.kill(_worker_pid(running), signal.SIGKILL)
+        code = proc.wait(timeout=120)
+    finally:
+        stop(proc, timeout=60)
+    _, said = running.said()
+    assert code == 2, running.printed()
+    assert said.count("restarting it in") == 1, said  # the killed one, once
+    assert "worker refused to start" in said and "SIFT_API_KEYS_FILE" in said, said
+    assert _session(proc.pid) == [], _session(proc.pid)  # every process stopped

@@ -650,6 +650,7 @@ def local_stack(
     settings: Settings,
     report: Callable[[str], None] | None = None,
     cancel: threading.Event | None = None,
+    on_refused: Callable[[Service], None] | None = None,
 ) -> Iterator[LocalStack]:
     """Redis (ours unless SIFT_REDIS_URL is set), one worker and the gateway, on
     ``SIFT_GATEWAY_PORT`` and ``SIFT_WORKER_METRICS_PORT``, keeping their files (the index,
@@ -658,8 +659,10 @@ def local_stack(
     It first claims the data folder (a lock file in it) and checks the two ports: another
     stack's are refused before anything is started or any log opened. With ``report``, a
     process that exits is started again (:class:`~worker.processes.stack.Supervisor`) and each
-    restart is reported through it. Once ``cancel`` is set, a wait for a process to be ready
-    raises :class:`~worker.processes.stack.StartInterrupted` (what was started is stopped)."""
+    restart is reported through it, but one that refused to start (exit 2) is left down and
+    ``on_refused`` called with it, to stop the stack. Once ``cancel`` is set, a wait for a
+    process to be ready raises :class:`~worker.processes.stack.StartInterrupted` (what was
+    started is stopped)."""
     data_dir = settings.data_dir.resolve()
     gateway_port, metrics_port = settings.gateway_port, settings.worker_metrics_port
     with contextlib.ExitStack() as stack:
@@ -676,7 +679,7 @@ def local_stack(
         extra["SIFT_WORKER_METRICS_PORT"] = str(metrics_port)
         logs = data_dir / "logs"
         services: list[Service] = []
-        supervisor = None if report is None else Supervisor(report)
+        supervisor = None if report is None else Supervisor(report, on_refused=on_refused)
         if supervisor is not None:  # ended last: the thread that starts the processes it
             stack.callback(supervisor.close)  # restarts, which follow it (Service.follow)
         redis_url = settings.redis_url
@@ -754,12 +757,13 @@ def _start(
     settings: Settings,
     report: Callable[[str], None] | None = None,
     cancel: threading.Event | None = None,
+    on_refused: Callable[[Service], None] | None = None,
 ) -> LocalStack:
     """Start the stack; a Ctrl-C while it starts (``cancel`` set) stops what was started and
     exits 130 with one line, not the log tail of a process that the Ctrl-C reached too."""
     try:
         with errors.status("starting redis, a worker and the gateway…"):  # stdout: the report
-            return stack.enter_context(local_stack(settings, report, cancel))
+            return stack.enter_context(local_stack(settings, report, cancel, on_refused))
     except (RuntimeError, SiftError, StartInterrupted) as error:
         if cancel is not None and cancel.is_set():
             errors.print("interrupted while starting; every process stopped")
@@ -807,11 +811,16 @@ def up(
     _check_redis_config(settings)  # the same: sift up's own has every channel, noeviction, AOF
     stopping = threading.Event()
     started: LocalStack | None = None
+    refused: list[Service] = []  # a process that refused to start: the stack stops, exit 2
 
     def on_signal(*_: object) -> None:
         stopping.set()
         if started is not None and started.supervisor is not None:
             started.supervisor.stop_watching()  # Ctrl-C reached the processes too
+
+    def on_refused(service: Service) -> None:
+        refused.append(service)
+        on_signal()
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, on_signal)
@@ -822,6 +831,7 @@ def up(
             # a process exited, restarted: status, on stderr with the errors (stdout: the report)
             report=lambda line: errors.print(f"[yellow]{plain(line)}[/]"),
             cancel=stopping,
+            on_refused=on_refused,
         )
         console.print(f"gateway  [bold]{started.url}[/]  (OpenAPI at {started.url}/docs)")
         console.print(f"api key  [bold]{started.api_key}[/]")
@@ -834,6 +844,9 @@ def up(
         console.print("Ctrl-C stops everything.")
         stopping.wait()
         errors.print("stopping…")
+    if refused:  # said once the stack has stopped, as the last line
+        why = refused[0].refusal() or "its log's error line"
+        _stop(f"{refused[0].name} refused to start ({why}); every process stopped")
 
 
 def _webhook_secret_source(settings: Settings) -> str:

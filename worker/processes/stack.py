@@ -186,6 +186,21 @@ def _log_tail(log: Path | None, offset: int) -> str:
     return log.read_bytes()[offset:][-4000:].decode(errors="replace")
 
 
+def refusal_line(log: Path | None, offset: int = 0) -> str | None:
+    """The last ``error:`` line a process wrote to ``log`` from ``offset`` on (a ``sift``
+    command's refusal, :data:`REFUSED_STATUS`), without its prefix; None without one."""
+    if log is None:
+        return None
+    try:
+        with open(log, "rb") as file:
+            file.seek(offset)
+            lines = file.read()[-16000:].decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    found = [line.removeprefix("error:").strip() for line in lines if line.startswith("error:")]
+    return found[-1] if found else None
+
+
 def _log_size(log: Path | None) -> int:
     if log is None:
         return 0
@@ -496,6 +511,11 @@ class Service:
         if self.log is not None and rotate_log(self.log, max_bytes, keep):
             self._offset = 0
 
+    def refusal(self) -> str | None:
+        """Why its process refused to start: the last ``error:`` line it wrote to its log
+        (:func:`refusal_line`); None without a log of its own or such a line."""
+        return refusal_line(self.log, self._offset)
+
     def start(self) -> subprocess.Popen[bytes]:
         """Start the process (again), appending to its log; answers it without waiting."""
         self._offset = _log_size(self.log)
@@ -576,6 +596,9 @@ RESTART_FIRST_DELAY_SECONDS = 1.0
 RESTART_MAX_DELAY_SECONDS = 30.0
 # a process that stayed up this long before exiting is restarted after the first delay again
 RESTART_RESET_AFTER_SECONDS = 60.0
+# The exit status of a ``sift`` command that refused to start (a bad setting, a Redis it must
+# not run on: ``_stop`` in worker/cli/service.py), which no restart changes
+REFUSED_STATUS = 2
 
 
 @dataclass
@@ -608,6 +631,9 @@ class Supervisor:
     on_exit: Callable[[Service], None] | None = None
     # called with a service whose process was just started again
     on_restart: Callable[[Service], None] | None = None
+    # called once with a service whose process refused to start (exit REFUSED_STATUS): it is
+    # not started again, and the caller stops the others; None restarts it as any exit
+    on_refused: Callable[[Service], None] | None = None
     _watched: list[_Watched] = field(default_factory=list)
     _stopping: threading.Event = field(default_factory=threading.Event)
     _closed: threading.Event = field(default_factory=threading.Event)
@@ -697,6 +723,9 @@ class Supervisor:
             return
         if watched.restart_at is None:  # it just exited
             self._hook(self.on_exit, service)
+            if service.proc.returncode == REFUSED_STATUS and self.on_refused is not None:
+                self._refused(watched)
+                return
             if now - service.started_at >= RESTART_RESET_AFTER_SECONDS:
                 watched.failures = 0
             delay = min(
@@ -716,6 +745,19 @@ class Supervisor:
                 return
             self._say(service, f"{service.name} restarted (pid {proc.pid})")
             self._hook(self.on_restart, service)
+
+    def _refused(self, watched: _Watched) -> None:
+        """A process exited as a ``sift`` command that refuses to start does (exit 2, its
+        reason on one ``error:`` line): what it refused (a setting, the API keys file, its
+        Redis) does not change by itself, and it was started again after each back-off for as
+        long as the supervisor ran. It is left down, said with its reason, and the caller told
+        (``on_refused``), which stops the rest."""
+        service = watched.service
+        watched.restart_at = float("inf")  # never: the caller stops every process
+        why = service.refusal() or "its error line above"
+        self._say(service, f"{service.name} refused to start (exit status {REFUSED_STATUS}: "
+                           f"{why}); a restart would not change it: stopping")  # fmt: skip
+        self._hook(self.on_refused, service)
 
     def _say(self, service: Service, message: str) -> None:
         if service.log is not None:

@@ -6,7 +6,10 @@ One Celery threads-pool process is bound by the GIL to about one core, so by def
 The supervisor (this process):
 
 - starts each child again when it exits, after a back-off, with a line on stderr
-  (:class:`worker.processes.stack.Supervisor`, the one ``sift up`` uses);
+  (:class:`worker.processes.stack.Supervisor`, the one ``sift up`` uses), but for a child that
+  refused to start (exit 2, its reason on its ``error:`` line: an API keys file broken since,
+  say), which no restart changes: it stops them all and exits 2 too, where it started that
+  child again after each back-off for as long as it ran;
 - passes a stop (SIGTERM, SIGINT) on to every child, so a rolling restart hands the work back
   as a single worker does (:mod:`worker.queue.liveness`, :mod:`worker.queue.items`), and exits
   once they all have: the first as SIGTERM (Celery's warm shutdown), a second Ctrl-C as SIGQUIT
@@ -43,6 +46,7 @@ from worker.constants import BATCH_CHUNK_TASK, WARM_UP_STOP_WAIT_SECONDS
 from worker.pids import alive
 from worker.processes.machine import cpu_count
 from worker.processes.stack import (
+    REFUSED_STATUS,
     Service,
     Supervisor,
     child_env,
@@ -52,6 +56,9 @@ from worker.processes.stack import (
 from worker.settings import Settings
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# What the supervisor's queue of stop signals receives when a worker process refused to start
+# (exit REFUSED_STATUS): a stop of them all, the supervisor then exiting with that status too
+REFUSED = 0
 
 # A worker process's warm shutdown talks to Redis (it hands work back, closes its queues): a
 # Redis that accepts connections and never answers held it there for good. Past its soft
@@ -228,10 +235,16 @@ def run_workers(settings: Settings, count: int, name: str, child_args: Sequence[
                                "--supervised-by", me, *child_args)  # fmt: skip
         services.append(Service(f"worker {name}-{i}", command, None, env, own_group=True))
     signals: queue.SimpleQueue[int] = queue.SimpleQueue()
+
+    def on_refused(_: Service) -> None:
+        supervisor.stop_watching()
+        signals.put(REFUSED)
+
     supervisor = Supervisor(
         _say,
         on_exit=lambda service: _exited_unasked(service, services),
         on_restart=lambda _: _count_running(services),
+        on_refused=on_refused,
     )
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -252,7 +265,10 @@ def run_workers(settings: Settings, count: int, name: str, child_args: Sequence[
         with supervisor:  # leaving it joins its thread: no restart races the stop below
             first = _next_signal(signals, lambda: False)
         assert first is not None
-        _say(f"{signal.Signals(first).name}: stopping {count} worker processes")
+        why = "a worker process refused to start" if first == REFUSED else (
+            signal.Signals(first).name
+        )  # fmt: skip
+        _say(f"{why}: stopping {count} worker processes")
         _forward(services, signal.SIGTERM)  # the first stop, however asked: see _as_child_stop
         kill_at = time.monotonic() + supervisor_stop_deadline(settings)
         done = lambda: _all_exited(services) or time.monotonic() >= kill_at  # noqa: E731
@@ -266,6 +282,10 @@ def run_workers(settings: Settings, count: int, name: str, child_args: Sequence[
             _say(f"every worker process stopped, {cut} of them at the stop deadline (what "
                  "they held comes back as a killed worker's does)")  # fmt: skip
             raise SystemExit(STOP_DEADLINE_STATUS)
+        if first == REFUSED:
+            _say("every worker process stopped, one having refused to start (its error line "
+                 "above)")  # fmt: skip
+            raise SystemExit(REFUSED_STATUS)
         _say("every worker process stopped")
     finally:
         if created is not None:
