@@ -10,8 +10,9 @@ recovery path.
 How. Each worker process (:class:`Liveness`, one thread):
 
 - keeps a heartbeat key ``sift:worker-alive:<id>`` that expires after
-  ``SIFT_WORKER_DEAD_AFTER_SECONDS``, refreshed every ``SIFT_WORKER_HEARTBEAT_SECONDS``, and
-  its id in the ``sift:workers`` set, so a check finds it dead even holding no delivery;
+  ``SIFT_WORKER_DEAD_AFTER_SECONDS``, refreshed every ``SIFT_WORKER_HEARTBEAT_SECONDS`` (on a
+  Redis at its ``maxmemory`` too, :data:`BEAT_SCRIPT`), and its id in the ``sift:workers``
+  set, so a check finds it dead even holding no delivery;
 - records which deliveries it holds in the ``sift:deliveries`` hash (delivery tag ->
   worker id): a tag is added as the message is received (``task_received``), written within
   milliseconds, and dropped after its ack or reject (:class:`OwnedRequest`);
@@ -89,6 +90,22 @@ return 0
 """
 
 
+# KEYS: the worker's heartbeat, the set of workers, the economy sender's key. ARGV: the beat's
+# time, the heartbeat's TTL (ms), the worker id, the model it sends economy batches with ('':
+# none, the key left alone; see economy_model). Answers the heartbeat it replaced (nil: there
+# was none). Flagged allow-oom: Redis at its maxmemory refuses a SET, so every beat was
+# refused while it was full, and after SIFT_WORKER_DEAD_AFTER_SECONDS a live worker read as
+# dead (to ``sift status``, and to any check that got through, which put back the deliveries
+# it was running). The beat rewrites keys of the same size and a member already there: it adds
+# nothing to a full Redis but the keys themselves once, after they expired.
+BEAT_SCRIPT = """#!lua flags=allow-oom
+local previous = redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2], 'GET')
+redis.call('SADD', KEYS[2], ARGV[3])
+if ARGV[4] ~= '' then redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[2]) end
+return previous
+"""
+
+
 def economy_model(model: str | None, queues: Collection[str]) -> str | None:
     """The model this worker sends economy batches with: its generation model (``model``)
     if it consumes the batch queue, where the economy lane's submission and polls go; None
@@ -140,6 +157,7 @@ class Liveness:
             redrive_interval_seconds=redrive_interval_seconds,
         )
         self._release_script = client.register_script(RELEASE_SCRIPT)
+        self._beat_script = client.register_script(BEAT_SCRIPT)
         self._lock = threading.Lock()
         self._held: set[str] = set()
         self._unrecorded: set[str] = set()  # held, not yet written
@@ -294,13 +312,12 @@ class Liveness:
         lost to a Redis restart comes back), write what changed since the last flush, and
         read Redis's clock again (this process's shared clock, :mod:`worker.clock`)."""
         ttl_ms = int(self.dead_after_seconds * 1000)
-        pipe = self.client.pipeline(transaction=False)
-        # the beat's time on the shared clock, which ``sift status`` reads its age against
-        pipe.set(heartbeat_key(self.worker_id), repr(CLOCK.now()), px=ttl_ms, get=True)
-        pipe.sadd(WORKERS_KEY, self.worker_id)
-        if self.economy_model is not None:
-            pipe.set(ECONOMY_SENDER_KEY, self.economy_model, px=ttl_ms)
-        previous = pipe.execute()[0]
+        # the beat's time on the shared clock, which ``sift status`` reads its age against;
+        # written on a full Redis too (BEAT_SCRIPT)
+        previous = self._beat_script(
+            keys=[heartbeat_key(self.worker_id), WORKERS_KEY, ECONOMY_SENDER_KEY],
+            args=[repr(CLOCK.now()), ttl_ms, self.worker_id, self.economy_model or ""],
+        )
         # this process's reading of the shared clock (worker/clock.py): a TIME of its own, its
         # round trip as short as one can be
         metrics.clock_skew("worker", CLOCK.read(self.client.time))
