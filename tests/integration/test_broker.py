@@ -292,3 +292,64 @@ def test_a_message_taken_while_redis_is_at_its_maxmemory_is_delivered(tmp_path: 
             assert client.hlen("unacked") == 0 and client.llen("batch") == 0
         finally:
             client.close()
+
+
+def _taken_while_full(connection: Connection, batch: Queue, client: redis.Redis) -> list[Message]:
+    """The messages a consumer of ``batch`` takes (one) while Redis is at its ``maxmemory``:
+    taken unrecorded (``unacked`` refused them). Redis has room again on return."""
+    received: list[Message] = []
+    consumer = Consumer(
+        connection.default_channel, [batch], prefetch_count=1,
+        callbacks=[lambda _body, message: received.append(message)],
+    )  # fmt: skip
+    consumer.consume()  # declared while Redis had room (a declare writes too)
+    client.config_set("maxmemory", int(client.info("memory")["used_memory"]) // 2)
+    try:
+        connection.drain_events(timeout=5)
+    finally:
+        client.config_set("maxmemory", 0)
+    assert client.hlen("unacked") == 0  # unrecorded
+    return received
+
+
+def test_a_message_taken_while_redis_was_full_and_handed_back_is_taken_next(
+    tmp_path: Path,
+) -> None:
+    """A message taken unrecorded, handed back (a stopping worker's ``Reject(requeue=True)``):
+    it goes back from the message in hand, the next taken. kombu's requeue reads ``unacked``,
+    which never held it: it put nothing back, and the work waited for the re-drive."""
+    with _fifo_broker(tmp_path) as (connection, batch, _search, producer):
+        _publish(producer, "A1", "B1")
+        with redis.Redis(connection.hostname, connection.port or 6379, db=0) as client:
+            [held] = _taken_while_full(connection, batch, client)
+            held.reject(requeue=True)
+            connection.default_channel.close()  # then a close: it is not put back twice
+            assert client.llen("batch") == 2
+        assert _take(connection, batch, 2) == ["A1", "B1"]
+
+
+def test_a_message_taken_while_redis_was_full_is_put_back_at_its_channels_close(
+    tmp_path: Path,
+) -> None:
+    """A warm shutdown's close restores a message taken unrecorded and not run: from the
+    message in hand, where kombu's restore, reading ``unacked``, put nothing back."""
+    with _fifo_broker(tmp_path) as (connection, batch, _search, producer):
+        _publish(producer, "A1", "B1")
+        with redis.Redis(connection.hostname, connection.port or 6379, db=0) as client:
+            _taken_while_full(connection, batch, client)
+            connection.default_channel.close()
+            assert client.llen("batch") == 2
+        assert _take(connection, batch, 2) == ["A1", "B1"]
+
+
+def test_a_message_taken_while_redis_was_full_and_acked_is_never_put_back(
+    tmp_path: Path,
+) -> None:
+    """Acked (its task ran), a message taken unrecorded is forgotten: no close puts it back."""
+    with _fifo_broker(tmp_path) as (connection, batch, _search, producer):
+        _publish(producer, "A1")
+        with redis.Redis(connection.hostname, connection.port or 6379, db=0) as client:
+            [held] = _taken_while_full(connection, batch, client)
+            held.ack()
+            connection.default_channel.close()
+            assert client.llen("batch") == 0

@@ -88,13 +88,20 @@ class QoS(kombu_redis.QoS):
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
         # tag -> (the message the close put back while its task ran on, the queues it went to)
         self._restored: dict[str, tuple[dict[str, Any], list[str]]] = {}
+        # tag -> (a message taken that Redis refused to record in ``unacked``, its queues)
+        self._unrecorded: dict[str, tuple[dict[str, Any], list[str]]] = {}
 
     def append(self, message: Any, delivery_tag: str) -> None:
         """kombu's record of a message taken (in ``unacked``, a ``MULTI`` of two writes),
         or, on a Redis at its ``maxmemory`` that refuses it, none: the message runs
         unrecorded, as if taken by a worker that dies before its ack (the re-drive sends its
         work again). The ``BRPOP`` has taken it off its queue already; raising, it stopped
-        Celery's worker ("Unrecoverable error") and was lost with it."""
+        Celery's worker ("Unrecoverable error") and was lost with it.
+
+        An unrecorded message is kept in hand (``_unrecorded``) until it is acked or handed
+        back: handed back unrun (``reject(requeue=True)``, a channel's close), it goes back
+        from that one, where kombu's requeue and restore, reading ``unacked``, put nothing
+        back and its work waited for the re-drive."""
         try:
             super().append(message, delivery_tag)  # type: ignore[no-untyped-call]
         except redis.exceptions.OutOfMemoryError as exc:
@@ -103,6 +110,10 @@ class QoS(kombu_redis.QoS):
                 delivery_tag, exc,
             )  # fmt: skip
             virtual.QoS.append(self, message, delivery_tag)  # type: ignore[no-untyped-call]
+            info = message.delivery_info
+            with contextlib.suppress(Exception):  # as kombu's restore: one it cannot route stays
+                queues = self.channel._lookup(info["exchange"], info["routing_key"])
+                self._unrecorded[delivery_tag] = (message._raw, queues)
 
     def ack(self, delivery_tag: str) -> None:
         """kombu's ack, its two deletes sent without ``MULTI``: Redis at its ``maxmemory``
@@ -112,6 +123,7 @@ class QoS(kombu_redis.QoS):
         deletes go through. The hash first: a tag left in the index alone is dropped by the
         next ``restore_visible``, which finds no message for it."""
         self._restored.pop(delivery_tag, None)
+        self._unrecorded.pop(delivery_tag, None)
         with self.channel.conn_or_acquire() as client:
             pipe = client.pipeline(transaction=False)
             pipe.hdel(self.unacked_key, delivery_tag)
@@ -120,16 +132,19 @@ class QoS(kombu_redis.QoS):
         virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
-        in_hand = self._restored.pop(delivery_tag, None)
+        restored = self._restored.pop(delivery_tag, None)
+        in_hand = self._unrecorded.pop(delivery_tag, None) or restored
         if not requeue:
             super().reject(delivery_tag)  # type: ignore[no-untyped-call]
             return
         self._requeue(delivery_tag, in_hand)  # RPUSH: next taken
         virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]  # forget it here
 
-    def _requeue(self, tag: str, in_hand: tuple[dict[str, Any], list[str]] | None) -> None:
+    def _requeue(
+        self, tag: str, in_hand: tuple[dict[str, Any], list[str]] | None, client: Any = None
+    ) -> None:
         """kombu's ``restore_by_tag``; from ``in_hand`` (the message and its queues, as the
-        close found them) when ``unacked`` has none."""
+        close or its taking found them) when ``unacked`` has none."""
 
         def transaction(pipe: Any) -> None:
             raw = pipe.hget(self.unacked_key, tag)
@@ -146,12 +161,13 @@ class QoS(kombu_redis.QoS):
                 for queue in queues:
                     pipe.rpush(self.channel._q_for_pri(queue, priority), dumps(payload))  # type: ignore[no-untyped-call]
 
-        with self.channel.conn_or_acquire() as client:
+        with self.channel.conn_or_acquire(client) as client:
             client.transaction(transaction, self.unacked_key)
 
     def restore_unacked(self, client: Any = None) -> None:
         """Every message this channel holds back on its queue, the first taken pushed last:
-        taken again first, in the order they were taken (kombu's own reversed that)."""
+        taken again first, in the order they were taken (kombu's own reversed that). One
+        taken unrecorded goes back from the message in hand, once."""
         for tag, message in self._delivered.items():
             info = message.delivery_info
             with contextlib.suppress(Exception):  # as kombu's restore: one it cannot route stays
@@ -159,7 +175,7 @@ class QoS(kombu_redis.QoS):
                 self._restored[tag] = (message._raw, queues)
         with self.channel.conn_or_acquire(client) as client:
             for tag in reversed(list(self._delivered)):
-                self.restore_by_tag(tag, client=client)  # type: ignore[no-untyped-call]
+                self._requeue(tag, self._unrecorded.pop(tag, None), client)
         self._delivered.clear()
 
 
