@@ -9,14 +9,18 @@ from __future__ import annotations
 import contextlib
 import queue
 import re
+import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from subprocess import Popen
 from typing import Any, TypeVar
+
+import redis
 
 from worker.processes.stack import (
     child_env,
@@ -37,6 +41,7 @@ __all__ = [
     "purged",
     "redis_server",
     "stop",
+    "unable_to_persist",
     "webhook_inbox",
 ]
 
@@ -60,6 +65,30 @@ def celery_worker(
         processes=processes, queues=queues,
     ) as proc:  # fmt: skip
         yield proc
+
+
+@contextlib.contextmanager
+def unable_to_persist(client: redis.Redis) -> Iterator[None]:
+    """The server refusing every write with ``MISCONF``, as when its disk is full, until set
+    back on leaving: a save point set (stop-writes-on-bgsave-error, on by default, holds
+    only then) and a BGSAVE that fails, its snapshot's name taken by a directory, so the
+    rename of the written file onto it fails (Redis 7 lets no client move ``dir``). A full
+    disk's failed AOF write is refused with the same ``MISCONF``."""
+    blocker = Path(client.config_get("dir")["dir"]) / client.config_get("dbfilename")["dbfilename"]
+    (blocker / "held").mkdir(parents=True)
+    client.config_set("save", "3600 1")
+    client.bgsave()
+    for _ in range(500):  # the fork's end, polled (a few ms)
+        persistence = client.info("persistence")
+        if not persistence["rdb_bgsave_in_progress"]:
+            break
+        time.sleep(0.01)
+    try:
+        assert persistence["rdb_last_bgsave_status"] == "err", persistence
+        yield
+    finally:
+        client.config_set("save", "")
+        shutil.rmtree(blocker)
 
 
 @contextlib.contextmanager

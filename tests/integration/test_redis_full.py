@@ -9,10 +9,7 @@ the first did nothing."""
 
 from __future__ import annotations
 
-import shutil
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
@@ -20,6 +17,7 @@ from starlette.testclient import TestClient
 
 from api_gateway.app import create_app
 from tests.integration.gateway_app import ACME, gateway_settings
+from tests.services import unable_to_persist
 from worker.contract import SearchSpec
 from worker.queue.jobstore import JobStore
 
@@ -61,28 +59,9 @@ def test_a_full_job_store_is_a_503_naming_its_memory_and_stores_nothing(
 @pytest.fixture
 def cannot_persist(store: JobStore) -> Iterator[None]:
     """The server refusing every write with ``MISCONF``, as when its disk is full, until set
-    back after the test: a save point set (stop-writes-on-bgsave-error, on by default, holds
-    only then) and a BGSAVE that fails, its snapshot's name taken by a directory, so the
-    rename of the written file onto it fails (Redis 7 lets no client move ``dir``). A full
-    disk's failed AOF write is refused with the same ``MISCONF``."""
-    blocker = (
-        Path(store.redis.config_get("dir")["dir"])
-        / store.redis.config_get("dbfilename")["dbfilename"]
-    )
-    (blocker / "held").mkdir(parents=True)
-    store.redis.config_set("save", "3600 1")
-    store.redis.bgsave()
-    for _ in range(500):  # the fork's end, polled (a few ms)
-        persistence = store.redis.info("persistence")
-        if not persistence["rdb_bgsave_in_progress"]:
-            break
-        time.sleep(0.01)
-    try:
-        assert persistence["rdb_last_bgsave_status"] == "err", persistence
+    back after the test (:func:`tests.services.unable_to_persist`)."""
+    with unable_to_persist(store.redis):
         yield
-    finally:
-        store.redis.config_set("save", "")
-        shutil.rmtree(blocker)
 
 
 def test_a_job_store_that_cannot_persist_to_its_disk_is_a_503_naming_it(
