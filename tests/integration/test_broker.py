@@ -25,7 +25,7 @@ import redis
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 from kombu.message import Message
 
-from tests.services import free_port, redis_server
+from tests.services import free_port, redis_server, unable_to_persist
 from worker.queue.broker import TRANSPORT, broker_transport
 
 pytestmark = pytest.mark.integration
@@ -353,3 +353,56 @@ def test_a_message_taken_while_redis_was_full_and_acked_is_never_put_back(
             held.ack()
             connection.default_channel.close()
             assert client.llen("batch") == 0
+
+
+# A Redis that cannot persist to its disk (MISCONF: its AOF write or RDB save failed, a full
+# disk) refuses every write, and PING, until a write to its disk succeeds. BRPOP, and the
+# ack's HDEL and ZREM, are writes: kombu raised the plain ResponseError, no connection error
+# to it or to Celery, whose worker stopped ("Unrecoverable error"), again at each restart.
+
+
+def test_a_consumer_on_a_redis_that_cannot_persist_meets_a_connection_error(
+    tmp_path: Path,
+) -> None:
+    """The refused BRPOP is a connection error (Celery reconnects, with its back-off), and so
+    is a new channel's PING while the refusal lasts; once Redis can write, a new channel
+    takes the message waiting."""
+    with _fifo_broker(tmp_path) as (connection, batch, _search, producer):
+        consumer = Consumer(connection.default_channel, [batch], callbacks=[])
+        consumer.consume()  # no BRPOP sent yet
+        _publish(producer, "A1")
+        with redis.Redis(connection.hostname, connection.port or 6379, db=0) as client:
+            with unable_to_persist(client):
+                with pytest.raises(connection.connection_errors) as refused:
+                    connection.drain_events(timeout=5)
+                assert "MISCONF" in str(refused.value.__cause__), repr(refused.value)
+                with pytest.raises(connection.connection_errors):
+                    Connection(f"redis://{connection.hostname}:{connection.port}/0",
+                               transport=TRANSPORT).channel()  # fmt: skip
+            assert client.llen("batch") == 1  # refused: still waiting
+        assert _take(connection, batch, 1) == ["A1"]
+
+
+def test_an_ack_on_a_redis_that_cannot_persist_is_a_connection_error(tmp_path: Path) -> None:
+    """A task ending while Redis cannot write: its ack is refused as a lost connection is
+    (Celery logs it and runs on; the message, still in ``unacked``, runs again once put back)."""
+    with _fifo_broker(tmp_path) as (connection, batch, _search, producer):
+        _publish(producer, "A1")
+        received: list[Message] = []
+        consumer = Consumer(
+            connection.default_channel, [batch], prefetch_count=1,
+            callbacks=[lambda _body, message: received.append(message)],
+        )  # fmt: skip
+        consumer.consume()
+        connection.drain_events(timeout=5)
+        with redis.Redis(connection.hostname, connection.port or 6379, db=0) as client:
+            assert client.hlen("unacked") == 1
+            qos = connection.default_channel.qos
+            with unable_to_persist(client):
+                with pytest.raises(connection.connection_errors):
+                    qos.ack(received[0].delivery_tag)
+                with pytest.raises(connection.connection_errors):  # a hand-back's transaction too
+                    qos.reject(received[0].delivery_tag, requeue=True)
+            assert client.hlen("unacked") == 1 and client.llen("batch") == 0
+            received[0].ack()  # Redis can write again
+            assert client.hlen("unacked") == 0

@@ -44,6 +44,13 @@ items not started waited for the re-drive. :class:`QoS` keeps each message its c
 in hand until its task acks or rejects it, and a hand-back ``unacked`` no longer holds goes
 back from that one, the same message, the next taken.
 
+A Redis that cannot persist to its disk (``MISCONF``) refuses every write, and PING, until a
+write to its disk succeeds: the ``BRPOP`` and the ack's deletes among them. redis-py raises a
+plain ``ResponseError``, no connection error to kombu or Celery, and every worker process
+stopped ("Unrecoverable error"). The channel's connections raise :class:`CannotPersist` for
+it, a connection error: Celery reconnects with its back-off and consumes again once Redis can
+write (``tests/reliability/test_redis_disk_full_worker.py``).
+
 ``celery_config`` selects this transport for ``redis://`` and ``rediss://`` broker URLs (TLS
 from ``broker_use_ssl``, :func:`broker_ssl`); every other scheme keeps kombu's own.
 ``tests/reliability/test_broker_restart.py`` restarts Redis under a worker (and
@@ -65,12 +72,46 @@ from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 
+from worker.redis_client import CANNOT_PERSIST, cannot_persist
+
 log = logging.getLogger(__name__)
 
 TRANSPORT = "worker.queue.broker:Transport"
 
 # the TLS parameters of a rediss:// URL that redis-py reads (and kombu passes on to it)
 SSL_PARAMETERS = ("ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+
+
+class CannotPersist(redis.ConnectionError):
+    """Redis refused a command on the broker's connection because it cannot persist to its
+    disk (``MISCONF``: a full disk, most often; :func:`worker.redis_client.cannot_persist`).
+
+    Raised in place of redis-py's plain ``ResponseError`` so that kombu and Celery take it
+    for a lost connection, as Redis unavailable: Celery's consumer reconnects with its
+    back-off, and consumes again once Redis can write. ``BRPOP`` and the ack's deletes are
+    writes: the ``ResponseError`` they met stopped Celery's worker ("Unrecoverable error"),
+    and again at every restart while the disk stayed full. (kombu's connections are made
+    with no retry: redis-py does not send the command again in place.)"""
+
+
+def refusing_misconf(
+    connection_class: type[redis.connection.AbstractConnection],
+) -> type[redis.connection.AbstractConnection]:
+    """``connection_class`` whose replies of ``MISCONF`` raise :class:`CannotPersist`, the
+    connection closed (a pipeline's replies not read yet are dropped with it)."""
+
+    class Connection(connection_class):  # type: ignore[valid-type,misc]
+        def read_response(self, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return super().read_response(*args, **kwargs)
+            except redis.ResponseError as exc:
+                if not cannot_persist(exc):
+                    raise
+                self.disconnect()
+                raise CannotPersist(CANNOT_PERSIST) from exc
+
+    Connection.__qualname__ = Connection.__name__ = f"RefusingMisconf{connection_class.__name__}"
+    return Connection
 
 
 class QoS(kombu_redis.QoS):
@@ -104,7 +145,7 @@ class QoS(kombu_redis.QoS):
         back and its work waited for the re-drive."""
         try:
             super().append(message, delivery_tag)  # type: ignore[no-untyped-call]
-        except redis.exceptions.OutOfMemoryError as exc:
+        except (redis.exceptions.OutOfMemoryError, CannotPersist) as exc:
             log.warning(
                 "broker: Redis refused to record message %s taken (%s); it runs unrecorded",
                 delivery_tag, exc,
@@ -191,10 +232,14 @@ class Channel(kombu_redis.Channel):
         self._opened_with: dict[str, Any] = super()._connparams()  # type: ignore[no-untyped-call]
 
     def _connparams(self, asynchronous: bool = False) -> dict[str, Any]:
+        """kombu's connection parameters (those it was opened with once its transport has let
+        go of the connection), its connections :func:`refusing_misconf`."""
         transport = self.connection
         if transport is None or transport.client is None:  # closed, or its connection collected
-            return dict(self._opened_with)
-        params: dict[str, Any] = super()._connparams(asynchronous)  # type: ignore[no-untyped-call]
+            params = dict(self._opened_with)
+        else:
+            params = super()._connparams(asynchronous)  # type: ignore[no-untyped-call]
+        params["connection_class"] = refusing_misconf(params["connection_class"])
         return params
 
 
