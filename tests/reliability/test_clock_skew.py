@@ -411,12 +411,13 @@ def test_a_prefork_worker_started_before_redis_signs_webhooks_on_the_shared_cloc
     tmp_path: Path, model: FakeAnthropic, verifying: VerifyingReceiver
 ) -> None:
     """A ``--pool prefork`` worker 6 minutes ahead starts while Redis is not up yet (a
-    deployment that starts the workers first): its process cannot read Redis's clock as it
-    starts, and forks its pool's children before it can (the consumer is still trying to
-    connect). Redis comes up; a search's webhook, run in a child, is signed on the shared
-    clock, and the receiver accepts it. Before, only the parent's heartbeat read the clock:
-    the children kept their host's for as long as they lived, and the webhook was refused
-    (400), settled ``failed``."""
+    deployment that starts the workers first): it cannot read Redis's clock as it starts.
+    Redis comes up; a search's webhook, run in a pool's child, is signed on the shared clock,
+    and the receiver accepts it. Before, the pool's children were forked while the consumer
+    still tried to connect, and only the parent's heartbeat read the clock: the children kept
+    their host's for as long as they lived, and the webhook was refused (400), settled
+    ``failed``. (``sift worker`` now waits for Redis before it starts Celery's worker, the
+    fork among it; the webhook must be signed on the shared clock all the same.)"""
     port = free_port()
     url = f"redis://127.0.0.1:{port}/0"
     env = stack_env(url, model.url)
@@ -432,7 +433,7 @@ def test_a_prefork_worker_started_before_redis_signs_webhooks_on_the_shared_cloc
     service.start()
     assert service.proc is not None
     try:
-        wait_for(lambda: "Cannot connect to" in log.read_text(errors="replace"), "pool forked")
+        wait_for(lambda: "waiting: cannot connect" in log.read_text(errors="replace"), "waiting")
         with redis_server(tmp_path / "redis", port=port):
             service.wait_ready()
             with (
