@@ -16,7 +16,7 @@ import redis.asyncio
 from fastapi import Depends, FastAPI
 
 from api_gateway.auth import KeyRing
-from api_gateway.backpressure import Backlog, StoreMemory
+from api_gateway.backpressure import Backlog, StoreMemory, with_results_owed
 from api_gateway.bodies import document_bodies
 from api_gateway.checks import body_as_read, checked_headers, path_is_utf8, query_parameters
 from api_gateway.docs import install_docs
@@ -92,7 +92,7 @@ def create_app(
         app.state.store = store
         app.state.async_store = async_store
         app.state.backlog = Backlog(async_store.in_flight, settings.max_backlog)
-        app.state.memory = StoreMemory(async_store.memory)
+        app.state.memory = StoreMemory(with_results_owed(async_store.memory, async_store.in_flight))
         app.state.sender = sender
         app.state.retakes = set()  # cancel-count takes sent again (api_gateway/jobs/)
         # webhook URLs' name lookups at registration, on threads of their own (api_gateway/jobs/)

@@ -14,7 +14,9 @@ overshoot the limit by more than what the other gateways admitted meanwhile.
 And past 90 % of Redis's ``maxmemory`` (:class:`StoreMemory`), new jobs are refused with a
 503 ``job_store_full`` (nothing stored, as at the limit itself), so the jobs running can
 still write their ends. A batch is judged with what it will add (:func:`batch_bytes`, its
-items and their results), so one admitted at 80 % cannot fill Redis on its own.
+items and their results), so one admitted at 80 % cannot fill Redis on its own; and what
+Redis holds is read with the results the work queued or running still owes
+(:func:`with_results_owed`), so batches admitted one after another cannot fill it together.
 """
 
 from __future__ import annotations
@@ -170,6 +172,29 @@ def batch_bytes(items: list[tuple[str, str]], hits: int, traced: bool) -> int:
     return stored + len(items) * per_item + hits * HIT_BYTES
 
 
+#: What a search or batch item not finished yet will still write: its result, of 10 hits (the
+#: default limit). A batch admitted is judged with its own results (:func:`batch_bytes`);
+#: those of the work admitted before it, not written yet, are counted with each reading.
+OWED_BYTES = ITEM_BYTES + 10 * HIT_BYTES
+
+
+def with_results_owed(read: MemoryReading, in_flight: InFlight) -> MemoryReading:
+    """``read`` (what Redis holds, and its ``maxmemory``), what it holds counted with the
+    results its searches and batch items queued or running will still write
+    (:data:`OWED_BYTES` each; ``in_flight``, the store's counts). Counted only until the
+    next reading, a batch's results were forgotten 0.5 s after its admission: batches
+    admitted one after another at 80 % each passed, and together filled Redis."""
+
+    async def owed() -> tuple[int, int]:
+        used, limit = await read()
+        if not limit:  # no maxmemory: nothing to judge, no second read
+            return used, limit
+        counts = await in_flight()
+        return used + (counts["queued"] + counts["running"]) * OWED_BYTES, limit
+
+    return owed
+
+
 def _mb(size: float) -> str:
     return f"{size / 1_000_000:.1f} MB"
 
@@ -180,7 +205,7 @@ class StoreFull(Exception):
     ``job_store_full``, as at the limit itself: the job was refused before any write."""
 
     def __init__(self, used: int, limit: int, adding: int = 0, what: str = "") -> None:
-        held = f"Redis holds {used / limit:.0%} of its maxmemory"
+        held = f"Redis holds {used / limit:.0%} of its maxmemory, with the results owed"
         if adding:
             said = (
                 f"the job store has no room for {what}: {held} ({_mb(limit)}), the batch "

@@ -9,6 +9,7 @@ the first did nothing."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -16,6 +17,7 @@ import redis
 from starlette.testclient import TestClient
 
 from api_gateway.app import create_app
+from api_gateway.backpressure import READ_EVERY_SECONDS
 from tests.integration.gateway_app import ACME, gateway_settings
 from tests.services import unable_to_persist
 from worker.contract import SearchSpec
@@ -224,6 +226,25 @@ def test_a_batch_whose_own_results_would_fill_the_job_store_is_refused_whole(
     error = refused.json()["error"]
     assert error["type"] == "invalid_request" and error["field"] == "queries", error
     assert "no retry admits it" in error["message"], error
+
+
+def test_the_results_owed_to_batches_admitted_before_count_against_the_next(
+    client: TestClient, store: JobStore, four_fifths_full: int
+) -> None:
+    """Each batch was judged with its own results, but those of the batches admitted before
+    it were forgotten at the next reading of Redis's memory (0.5 s later), which holds their
+    items, not the results they will write: batches sent one after another at 80 % each
+    passed, and together filled Redis. The items queued or running are counted with what
+    they owe: of two batches that each fit the room left, the second, sent after a new
+    reading, is refused."""
+    each = int(0.06 * four_fifths_full) // 4_600  # six hundredths of maxmemory: one fits
+    first = client.post("/v1/batches", json=_batch_of(each, "one"), headers=ACME)
+    assert first.status_code == 202, first.text
+    time.sleep(READ_EVERY_SECONDS + 0.2)  # the memory read again: not a speed check
+    second = client.post("/v1/batches", json=_batch_of(each, "two"), headers=ACME)
+    assert second.status_code == 503, second.text
+    assert second.json()["error"]["type"] == "job_store_full", second.text
+    assert "with the results owed" in second.json()["error"]["message"], second.text
 
 
 def test_a_batch_s_results_still_read_on_a_full_job_store(
