@@ -259,22 +259,25 @@ def _require_redis_database(settings: Settings) -> None:
 def _check_redis_config(settings: Settings, *, channels: bool = True) -> None:
     """The start checks of how the Redis of ``SIFT_REDIS_URL`` is configured: Pub/Sub
     channels for the workers (``channels``), ``noeviction``, and the AOF (warned of only);
-    first, its version."""
-    _require_redis_version(settings)
+    first, its version. One ``INFO`` serves the three it reads (each opened a connection)."""
+    from worker.redis_client import info_at_start
+
+    info = info_at_start(settings.redis_url, "default") if settings.redis_url else None
+    _require_redis_version(info)
     if channels:
         _require_channels(settings)
-    _require_noeviction(settings)
-    _warn_no_aof(settings)
+    _require_noeviction(info)
+    _warn_no_aof(info)
 
 
-def _require_redis_version(settings: Settings) -> None:
+def _require_redis_version(info: dict[str, Any] | None) -> None:
     """Stop (exit 2, one line naming the version) a gateway or worker whose Redis is older than
     7.0: a script of Sift's declares flags, which Redis 6 refuses to load, so a batch chunk's
-    run could never let its claim go. Read from ``INFO server``; unknown (INFO refused) lets
-    it start, as the other checks do."""
-    from worker.redis_client import OLDEST_REDIS, info_at_start, too_old
+    run could never let its claim go. Read from ``INFO``'s ``info`` (server); unknown (INFO
+    refused) lets it start, as the other checks do."""
+    from worker.redis_client import OLDEST_REDIS, too_old
 
-    if settings.redis_url and (version := too_old(info_at_start(settings.redis_url, "server"))):
+    if version := too_old(info):
         _stop(
             f"SIFT_REDIS_URL: Redis {version} is older than Sift needs "
             f"({'.'.join(map(str, OLDEST_REDIS))} or later): upgrade it"
@@ -296,20 +299,17 @@ def _require_channels(settings: Settings) -> None:
         )
 
 
-def _require_noeviction(settings: Settings) -> None:
+def _require_noeviction(info: dict[str, Any] | None) -> None:
     """Stop (exit 2, one line naming the setting) a gateway or worker whose Redis evicts keys
     when full (``allkeys-lru``, a common managed default, with a ``maxmemory``): it is the job
     store and the broker, and an evicting one lost accepted batches, finished searches (both
     read 404) and a live worker's heartbeat, silently. With no ``maxmemory`` (0: no limit)
     Redis is never full and evicts nothing, so that policy is only warned of, once: it was
-    refused as if it evicted. Read from ``INFO memory``; a user refused INFO is warned of
-    once and let start; a worker waits for a Redis not answering yet
+    refused as if it evicted. Read from ``INFO``'s ``info`` (memory); a user refused INFO is
+    warned of once and let start; a worker waits for a Redis not answering yet
     (:func:`_wait_for_redis`), a gateway starts without the check."""
-    from worker.redis_client import evicting_policy, has_memory_limit, info_at_start
+    from worker.redis_client import evicting_policy, has_memory_limit
 
-    if not settings.redis_url:
-        return
-    info = info_at_start(settings.redis_url, "memory")
     if not (policy := evicting_policy(info)):
         return
     if has_memory_limit(info):
@@ -325,13 +325,14 @@ def _require_noeviction(settings: Settings) -> None:
     )
 
 
-def _warn_no_aof(settings: Settings) -> None:
+def _warn_no_aof(info: dict[str, Any] | None) -> None:
     """Say once, at start, that a gateway's or worker's Redis keeps no AOF: a restart of it
     loses every job and message (those its RDB snapshot, if any, missed), which no re-drive
-    can recover. Not refused: a dev Redis may run so; deploy/README.md asks for the AOF."""
-    from worker.redis_client import info_at_start, keeps_no_aof
+    can recover. Not refused: a dev Redis may run so; deploy/README.md asks for the AOF. Read
+    from ``INFO``'s ``info`` (persistence)."""
+    from worker.redis_client import keeps_no_aof
 
-    if settings.redis_url and keeps_no_aof(info_at_start(settings.redis_url, "persistence")):
+    if keeps_no_aof(info):
         errors.print(
             "[yellow]warning:[/yellow] SIFT_REDIS_URL: Redis keeps no AOF (appendonly no), so a "
             "restart of it loses every job and message its last RDB snapshot missed (all of "
