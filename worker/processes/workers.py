@@ -269,6 +269,9 @@ def run_workers(settings: Settings, count: int, name: str, child_args: Sequence[
             signal.Signals(first).name
         )  # fmt: skip
         _say(f"{why}: stopping {count} worker processes")
+        # a process already down (killed, waiting out its restart's back-off) had no warm
+        # shutdown to finish: not counted as cut short at the deadline
+        down = [s for s in services if s.proc is None or s.proc.poll() is not None]
         _forward(services, signal.SIGTERM)  # the first stop, however asked: see _as_child_stop
         kill_at = time.monotonic() + supervisor_stop_deadline(settings)
         done = lambda: _all_exited(services) or time.monotonic() >= kill_at  # noqa: E731
@@ -277,7 +280,7 @@ def run_workers(settings: Settings, count: int, name: str, child_args: Sequence[
         _kill_left(services, supervisor_stop_deadline(settings))
         for service in services:
             _dead(service)
-        cut = _cut_short(services)
+        cut = _cut_short([s for s in services if s not in down])
         if cut:
             _say(f"every worker process stopped, {cut} of them at the stop deadline (what "
                  "they held comes back as a killed worker's does)")  # fmt: skip
