@@ -300,20 +300,31 @@ def test_a_worker_that_can_send_economy_batches_says_so_at_each_beat(client: red
     """Only a worker with a model that consumes the batch queue (where the economy lane's
     submission goes) counts as one that can send economy batches; its beat sets the key with
     the heartbeat's TTL, and a clean stop leaves it (another such worker may live: it
-    expires with the last one's heartbeat)."""
+    expires with the last one's heartbeat). The queues are read at each beat: one the worker
+    stopped consuming at run time (an operator's ``cancel_consumer``) no longer counts, and
+    one added again counts again."""
     assert economy_model("claude-haiku-4-5", ALL_QUEUES) == "claude-haiku-4-5"
     assert economy_model("claude-haiku-4-5", [SEARCH_QUEUE]) is None  # never takes one
     assert economy_model(None, ALL_QUEUES) is None
     without = Liveness(client, "w1", heartbeat_seconds=BEAT, dead_after_seconds=1.0,
-                       orphan_seconds=60, economy_model=None)  # fmt: skip
+                       orphan_seconds=60, consumed=lambda: ALL_QUEUES)  # fmt: skip
     without.beat()
     assert not economy_sender_alive(client)
+    queues = list(ALL_QUEUES)
     sender = Liveness(client, "w2", heartbeat_seconds=BEAT, dead_after_seconds=1.0,
-                      orphan_seconds=60, economy_model="claude-haiku-4-5")  # fmt: skip
+                      orphan_seconds=60, generation_model="claude-haiku-4-5",
+                      consumed=lambda: queues)  # fmt: skip
     sender.beat()
     assert economy_sender_alive(client)
     assert client.get(ECONOMY_SENDER_KEY) == "claude-haiku-4-5"
     assert 0 < client.pttl(ECONOMY_SENDER_KEY) <= 1000  # as long as its heartbeat lives
+    client.delete(ECONOMY_SENDER_KEY)  # as if it had expired
+    queues.remove(BATCH_QUEUE)  # cancelled at run time
+    sender.beat()
+    assert not economy_sender_alive(client)
+    queues.append(BATCH_QUEUE)  # added again
+    sender.beat()
+    assert client.get(ECONOMY_SENDER_KEY) == "claude-haiku-4-5"
     sender.stop()
     without.stop()
     assert economy_sender_alive(client)

@@ -13,17 +13,22 @@ pytest-xdist process, so a file of five minute-long tests would run alone at the
 
 from __future__ import annotations
 
+import socket
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+from celery import Celery
 
 from tests.fake_anthropic import FakeAnthropic
-from tests.reliability.support import batch_counts, stack_env, submit_batch
+from tests.reliability.support import batch_counts, stack_env, submit_batch, wait_for
 from tests.services import gateway, redis_server
+from worker.constants import BATCH_QUEUE
 from worker.processes.stack import child_env, worker_process
+from worker.queue.config import celery_config
+from worker.settings import load_settings
 
 FINISH_WINDOW = 240.0  # from the new worker's start: dead-worker check + a 30 s poll + slack
 COUNTING_RUNTIME = "tests.reliability.economy_counting_runtime:build_runtime"
@@ -68,6 +73,24 @@ def without_model(env: dict[str, str]) -> dict[str, str]:
     """The same worker's settings with rerank turned off and no model."""
     env = {k: v for k, v in env.items() if k != "SIFT_GENERATION_MODEL"}
     return env | {"SIFT_RERANK_ENABLED": "false"}
+
+
+def batch_queue_control(redis_url: str, directory: Path, name: str, *, consume: bool) -> None:
+    """Tell worker ``name`` of :func:`worker`, at run time, to stop consuming the batch queue
+    (``celery control cancel_consumer sift.batch``; ``consume``: to consume it again,
+    ``add_consumer``), and wait until its log says it did: Celery answers before its
+    consumer applies the change."""
+    app = Celery("sift-control", set_as_current=False)
+    app.config_from_object(celery_config(load_settings(redis_url=redis_url)))
+    node = f"{name}@{socket.gethostname()}"
+    command = app.control.add_consumer if consume else app.control.cancel_consumer
+    done = f"Started consuming from {BATCH_QUEUE}" if consume else f"Canceling queue {BATCH_QUEUE}"
+    try:
+        replies = command(BATCH_QUEUE, destination=[node], reply=True, timeout=10)
+    finally:
+        app.close()
+    assert [node] == [n for reply in replies for n in reply], replies
+    wait_for(lambda: done in worker_log(directory, name), f"{name}: {done}", 30)
 
 
 def worker_log(directory: Path, name: str) -> str:

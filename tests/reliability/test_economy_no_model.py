@@ -31,6 +31,7 @@ import pytest
 from tests.fake_anthropic import FakeAnthropic, status
 from tests.reliability.economy import (
     FINISH_WINDOW,
+    batch_queue_control,
     economy_stack,
     finished,
     submit_economy,
@@ -127,12 +128,17 @@ def test_a_submission_taken_by_a_worker_without_the_model_is_asked_again_not_fai
 def test_items_never_sent_end_by_the_failure_policy_once_the_deadline_passes_without_the_model(
     tmp_path: Path, hooks: Receiver
 ) -> None:
-    """With no worker of the model left (rerank turned off for good), an economy batch none
-    of whose items was sent to the provider ends once its economy deadline passes, as the
-    standard lane answers a rerank asked of a worker with no model: the failure policy
-    (``fail_closed`` by default: each item ``failed``, ``rerank_failed`` naming
+    """With no worker of the model left that can send (rerank turned off for good), an
+    economy batch none of whose items was sent to the provider ends once its economy deadline
+    passes, as the standard lane answers a rerank asked of a worker with no model: the failure
+    policy (``fail_closed`` by default: each item ``failed``, ``rerank_failed`` naming
     ``no_generation_model``, nothing billed). It stayed ``running`` for ever: the submission
     was asked again at the poll's cadence, and the deadline never applied.
+
+    A worker with the model told at run time to stop consuming the batch queue (``celery
+    control cancel_consumer sift.batch``) lives throughout: it can send nothing, so it does
+    not count. Before, its beats still said it could (the queues it was started with), and
+    the items waited for it for ever.
 
     The economy deadline is short here (:data:`SHORT_DEADLINE_SECONDS`): the default is a
     day, and the submission past it takes the same path whatever its length."""
@@ -141,7 +147,9 @@ def test_items_never_sent_end_by_the_failure_policy_once_the_deadline_passes_wit
         economy_stack(
             tmp_path, model, SIFT_ECONOMY_DEADLINE_SECONDS=str(SHORT_DEADLINE_SECONDS)
         ) as (env, client),
+        worker(tmp_path / "w", env, "cancelled"),
     ):
+        batch_queue_control(env["SIFT_REDIS_URL"], tmp_path / "w", "cancelled", consume=False)
         # the create refused as rate-limited (nothing made): the submission retries in 30 s
         model.script_batch_calls("create", [status(429)])
         with worker(tmp_path / "w", env, "model"):

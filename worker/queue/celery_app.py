@@ -188,16 +188,22 @@ def _start_redrive(sender: Any = None, **_: Any) -> None:
 def _start_liveness(sender: Any = None, **_: Any) -> None:
     """On worker start, keep this process's heartbeat and record the deliveries it holds, so
     a dead worker's work comes back in seconds (:mod:`worker.queue.liveness`); its beats also
-    say whether it can send economy batches, which needs the queues it consumes (``-Q``,
-    selected before ``worker_init``)."""
+    say whether it can send economy batches, which needs the queues it consumes: those
+    selected (``-Q``, before ``worker_init``), read at each beat, as an operator's
+    ``cancel_consumer`` or ``add_consumer`` changes them at run time. Not those the consumer
+    reads at the moment: the batch queue's intake pauses (:mod:`worker.queue.intake`) while
+    the worker is busy, and it still takes the submission later."""
     settings = _settings_of(sender)
     if settings is None or not settings.redis_url:
         return
     from worker.queue import liveness
 
     app = getattr(sender, "app", None)
-    queues = list(app.amqp.queues.consume_from) if app is not None else []
-    liveness.start(settings.redis_url, settings, queues)
+    if app is None:
+        liveness.start(settings.redis_url, settings)
+        return
+    # a dict the consumer's thread changes: the beat's one lookup in it is atomic
+    liveness.start(settings.redis_url, settings, lambda: app.amqp.queues.consume_from)
 
 
 def _received(sender: Any = None, request: Any = None, **_: Any) -> None:

@@ -26,7 +26,11 @@ A worker that can send an economy batch (it has a generation model and consumes 
 queue) also sets ``sift:economy-sender`` to its model at each beat, with the heartbeat's TTL:
 while the key lives, some such worker does, and a worker without the model leaves the
 batch's never-sent items to it past the economy deadline rather than ending them
-(:func:`economy_sender_alive`; :mod:`worker.queue.economy.submission`).
+(:func:`economy_sender_alive`; :mod:`worker.queue.economy.submission`). Each beat reads the
+queues the worker consumes as they are then (Celery's selected queues, which an operator's
+``celery control cancel_consumer`` or ``add_consumer`` changes at run time): read once at
+its start, a worker told to stop consuming the batch queue still said it could send, and the
+items waited for it for ever.
 
 The check, how a delivery goes back and what a dead worker can lose that no check puts
 back: :mod:`worker.queue.reaper`.
@@ -142,10 +146,14 @@ class Liveness:
         dead_after_seconds: float,
         orphan_seconds: float,
         redrive_interval_seconds: float = 0.0,
-        economy_model: str | None = None,
+        generation_model: str | None = None,
+        consumed: Callable[[], Collection[str]] = tuple,
     ) -> None:
         self.client = client
-        self.economy_model = economy_model  # its beats say it can send economy batches
+        # with the batch queue among those consumed at a beat, it says it can send economy
+        # batches: read at each beat, since an operator may cancel or add a queue at run time
+        self.generation_model = generation_model
+        self.consumed = consumed
         self.worker_id = worker_id
         self.heartbeat_seconds = heartbeat_seconds
         self.dead_after_seconds = dead_after_seconds
@@ -316,7 +324,7 @@ class Liveness:
         # written on a full Redis too (BEAT_SCRIPT)
         previous = self._beat_script(
             keys=[heartbeat_key(self.worker_id), WORKERS_KEY, ECONOMY_SENDER_KEY],
-            args=[repr(CLOCK.now()), ttl_ms, self.worker_id, self.economy_model or ""],
+            args=[repr(CLOCK.now()), ttl_ms, self.worker_id, self.economy_sender_model() or ""],
         )
         # this process's reading of the shared clock (worker/clock.py): a TIME of its own, its
         # round trip as short as one can be
@@ -329,6 +337,11 @@ class Liveness:
             )
         self._beaten = True
         self.flush(reassert=True)
+
+    def economy_sender_model(self) -> str | None:
+        """The model this worker sends economy batches with now (:func:`economy_model` of the
+        queues it consumes at this beat); None: it cannot send one."""
+        return economy_model(self.generation_model, self.consumed())
 
     def flush(self, *, reassert: bool = False) -> None:
         with self._lock:
@@ -408,9 +421,11 @@ def run_owner() -> str:
     return _liveness.worker_id
 
 
-def start(redis_url: str, settings: Any, queues: Collection[str] = ()) -> Liveness:
-    """Start this process's heartbeat and reaper (``worker_init``); ``queues``: those the
-    worker consumes."""
+def start(
+    redis_url: str, settings: Any, consumed: Callable[[], Collection[str]] = tuple
+) -> Liveness:
+    """Start this process's heartbeat and reaper (``worker_init``); ``consumed``: the queues
+    the worker consumes as they are when called (each beat)."""
     global _liveness, _liveness_pid
     client = redis.Redis.from_url(
         redis_url,
@@ -426,7 +441,8 @@ def start(redis_url: str, settings: Any, queues: Collection[str] = ()) -> Livene
         dead_after_seconds=settings.worker_dead_after_seconds,
         orphan_seconds=settings.worker_orphan_delivery_seconds,
         redrive_interval_seconds=settings.redrive_interval_seconds,
-        economy_model=economy_model(settings.generation_model_id, queues),
+        generation_model=settings.generation_model_id,
+        consumed=consumed,
     )
     try:  # on the shared clock before the first task, and before a prefork child is forked
         for _ in range(FIRST_READINGS):  # the surest of a few kept: a busy start's are slow
