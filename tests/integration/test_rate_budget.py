@@ -1324,6 +1324,44 @@ def test_a_probe_that_got_no_answer_lets_the_next_probe_go_at_once(client: redis
     assert other.reserve(PROMPT, 30.0).admitted  # the next probe
 
 
+@pytest.mark.parametrize(
+    ("rpm", "stop"),
+    [
+        (2, HandedBack("the worker is stopping")),  # in its wait (about 6 s), checked each second
+        (120, Canceled("the batch was canceled")),  # once its wait (half a second) is over
+    ],
+    ids=["handed-back-while-waiting", "canceled-after-the-wait"],
+)
+def test_a_probe_given_back_unsent_lets_the_next_probe_go_at_once(
+    fake: fa.FakeAnthropic, client: redis.Redis, rpm: int, stop: Exception
+) -> None:
+    """A batch item admitted as the breaker's probe with a wait (the bucket is empty) is
+    canceled, or its worker stops, before it is sent: its reservation goes back whole, and
+    the probe with it, so the next call anywhere probes now. Given back as a 429's would be,
+    its lease (20 s) stood: every process asked again each second and sent nothing, an outage
+    over or not, past a search's deadline."""
+    clock = FakeClock()
+    pipeline, budget = build(
+        fake, client, "fail_closed", RateLimit(rpm=rpm), RecordingRecorder(),
+        deadline=120.0, clock=clock, sleep=clock.sleep,
+    )  # fmt: skip
+    exhaust(budget)
+    budget.trip(None)
+    _half_open(client, budget.key)
+
+    def check(billed: object) -> None:  # the stop or the cancel came during its wait
+        if clock.sleeps:
+            raise stop
+
+    spec = SearchSpec(index="docs", query="volcano ash", limit=5)
+    with pytest.raises(type(stop)):
+        pipeline.search(spec, "acme", check)
+    assert clock.sleeps and fake.requests() == []  # it waited, as the probe, and sent nothing
+    other = RedisRateBudget(client, MODEL, RateLimit(rpm=rpm))
+    following = other.reserve(PROMPT, 60.0)
+    assert following.admitted and following.probe  # the next probe, not held 20 s
+
+
 def test_learned_limits_are_stored_again_after_the_shared_hash_is_gone(
     client: redis.Redis,
 ) -> None:

@@ -233,8 +233,9 @@ class RateBudget(Protocol):
     ) -> None:
         """Give back what the call did not use (``usage`` as reported); ``None``: unknown,
         the reservation stands. ``sent`` False: the provider never saw the call, so its
-        request is given back too. An answer (``usage`` given) closes the breaker a 5xx
-        opened, unless ``closes`` is False (a 429)."""
+        request is given back too, and a grant that was the breaker's probe lets the next
+        call probe. An answer (``usage`` given) closes the breaker a 5xx opened, unless
+        ``closes`` is False (a 429)."""
         ...
 
     def pause(self, seconds: float) -> None:

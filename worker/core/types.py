@@ -163,6 +163,8 @@ class BudgetGrant:
     ``raw_input`` the uncorrected estimate, which the settlement calibrates against.
     ``shut``: not admitted because the provider is failing (a 5xx opened the budget's
     breaker, or its one probe call is out): ask again in ``wait`` seconds.
+    ``probe``: admitted as the breaker's one probe (half open); given back unsent, it lets
+    the next call probe at once.
     """
 
     admitted: bool
@@ -171,3 +173,4 @@ class BudgetGrant:
     output_tokens: int = 0
     raw_input: float = 0.0
     shut: bool = False
+    probe: bool = False

@@ -92,13 +92,13 @@ OUTAGE_BACKLOG_SECONDS = 86_400.0
 # the learned limits (9-11) are only to be stored where the hash holds none (a reservation
 # restoring what its process learned, after the hash expired or Redis lost it), 0 when they
 # are what an answer stated now (stored over any other).
-# Answers {admitted (1/0), seconds to wait, the backlog, 1 when the breaker refused it}
-# (strings: Lua numbers come back from Redis as integers). The backlog is the reading a batch
-# paces on: the seconds until a call like this one fits once it is taken (when admitted) and
-# once every process's pending items have theirs; below zero, the bucket has room for that many
-# seconds' worth more. Numbers are stored with 17 digits (Lua's tostring keeps 14: a tenth of a
-# millisecond of Redis's clock). Nothing but learned limits and the caller's pending is written
-# when it is not admitted.
+# Answers {admitted (1/0), seconds to wait, the backlog, 1 when the breaker refused it or,
+# admitted, when it is the probe} (strings: Lua numbers come back from Redis as integers). The
+# backlog is the reading a batch paces on: the seconds until a call like this one fits once it
+# is taken (when admitted) and once every process's pending items have theirs; below zero, the
+# bucket has room for that many seconds' worth more. Numbers are stored with 17 digits (Lua's
+# tostring keeps 14: a tenth of a millisecond of Redis's clock). Nothing but learned limits and
+# the caller's pending is written when it is not admitted.
 BUDGET_SCRIPT = """
 local function num(x) return string.format('%.17g', x) end
 local key = KEYS[1]
@@ -230,7 +230,9 @@ if max_wait >= 0 and (shut > 0 or wait > max_wait) then
   end
   return {0, num(wait), backlog(need_now), 0}
 end
+local probing = 0
 if max_wait >= 0 and strikes > 0 then  -- half open: this call is the probe
+  probing = 1
   table.insert(writes, 'probe'); table.insert(writes, num(now + tonumber(ARGV[24])))
 end
 for d = 1, 3 do
@@ -242,7 +244,7 @@ table.insert(writes, 'at'); table.insert(writes, num(now))
 table.insert(writes, 'pause'); table.insert(writes, num(pause))
 redis.call('HSET', key, unpack(writes))
 redis.call('EXPIRE', key, ttl)
-return {1, num(wait), backlog(need_next), 0}
+return {1, num(wait), backlog(need_next), probing}
 """.replace("OUTAGE_BACKLOG", repr(OUTAGE_BACKLOG_SECONDS))
 
 
@@ -342,12 +344,12 @@ class RedisRateBudget:
         answered: bool | None = False,
         restore: bool = False,
     ) -> tuple[bool, float, float, bool]:
-        """One script call; answers (admitted, wait, backlog, refused by the breaker) as
-        :data:`BUDGET_SCRIPT` does. ``tell``: the call tells the cluster this process's pending
-        items, and its backlog counts every process's. ``trip``: a call was answered 5xx,
-        with this retry-after (0: none); ``answered``: a call was answered otherwise (True), or
-        got no answer at all (None). ``restore``: ``learn`` is stored only where the hash
-        holds no limit."""
+        """One script call; answers (admitted, wait, backlog, the breaker's part: refused by
+        it, or admitted as its probe) as :data:`BUDGET_SCRIPT` does. ``tell``: the call tells
+        the cluster this process's pending items, and its backlog counts every process's.
+        ``trip``: a call was answered 5xx, with this retry-after (0: none); ``answered``: a
+        call was answered otherwise (True), or got no answer at all (None). ``restore``:
+        ``learn`` is stored only where the hash holds no limit."""
         limits = self.limits
         learned = learn or RateLimit()
         args: list[float | str] = [
@@ -481,16 +483,16 @@ class RedisRateBudget:
         take = (1, estimate, prompt.max_tokens)
         # what this process learned goes along, stored where the hash holds none: the hash
         # expired (a day without a call) or Redis lost it, and no call went out unmetered
-        admitted, wait, reading, shut = self._run(
+        admitted, wait, reading, breaker = self._run(
             take, max(0.0, max_wait), tell=True, learn=self.learned, restore=True
         )
         now = self._clock()
         self._backlog = (reading, now)
         if not admitted:
-            return BudgetGrant(admitted=False, wait=wait, shut=shut)
+            return BudgetGrant(admitted=False, wait=wait, shut=breaker)
         self._call.sent_at = now + wait
         self._call.stated = None
-        return BudgetGrant(True, wait, estimate, prompt.max_tokens, raw_input=raw)
+        return BudgetGrant(True, wait, estimate, prompt.max_tokens, raw_input=raw, probe=breaker)
 
     def sent(self, waited: float) -> None:
         """Counted when the call went out, a budget off included (at 0: sent at once), not
@@ -509,15 +511,17 @@ class RedisRateBudget:
         ``sent``: the provider did not count it). Input tokens as the provider meters
         them: uncached plus cache writes (cache reads do not count against ITPM). What the
         call's response headers said the provider's buckets hold (:meth:`learn`) goes in the
-        same script call."""
+        same script call. The breaker's probe never sent (a cancel, or the worker's stop,
+        ended its wait) ends there, as one that got no answer does: its lease held every
+        process back for 20 s, sending nothing."""
         stated = getattr(self._call, "stated", None)
         found = getattr(self._call, "found", None)
         self._call.stated = self._call.found = None
         if usage is None or not grant.admitted or not (grant.input_tokens or grant.output_tokens):
             return
         # an answer (the call reported usage; a 429 is not one, ``closes``): the provider is
-        # back, the breaker closes
-        answered = sent and closes
+        # back, the breaker closes; the probe not sent said nothing of it: the next may go
+        answered: bool | None = None if grant.probe and not sent else sent and closes
         used_input = usage.input_tokens + usage.cache_creation_input_tokens
         # against the raw estimate the grant carries: rebuilding it from the correction now,
         # which other threads move meanwhile, fed the correction back into itself

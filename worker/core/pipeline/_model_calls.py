@@ -291,7 +291,8 @@ class ModelCalls:
         self, grant: BudgetGrant, seconds: float, run: RerankRun, check: BeforeModel | None
     ) -> None:
         """:meth:`_wait` for ``seconds`` holding ``grant``: a cancel, or the worker's stop,
-        that ends the wait gives the reservation back whole (nothing was sent)."""
+        that ends the wait gives the reservation back whole (nothing was sent), the breaker's
+        probe with it when the grant was that (the budget's settlement ends it)."""
         try:
             self._wait(seconds, run, check)
         except BaseException:
