@@ -8,7 +8,10 @@ the ack through (:class:`worker.queue.broker.QoS`) the chunk's run claim still h
 positions from the re-drive for its lease (770 s), Redis refusing its release too: the
 batch was still ``running`` 390 s after Redis had room. The release runs at the limit now
 (``allow-oom``): once Redis has room again the re-drive sends the items left ``running``
-once more, and the batch ends ``succeeded``, its counts and its webhook saying so.
+once more, and the batch ends ``succeeded``, its counts and its webhook saying so. Each
+model answer is kept with its run claim at the limit too (``allow-oom``), so the runs sent
+again finish on it: the model is asked once an item. It was asked again (77 requests for the
+40 items), the first answers' usage shown nowhere.
 
 At the defaults, no setting shortened (the re-drive: a few minutes).
 """
@@ -76,6 +79,9 @@ def test_a_batch_whose_finishes_meet_a_full_redis_ends_once_it_has_room(
         done = client.get(f"/v1/batches/{batch_id}", headers=ACME).json()
         assert done["status"] == "succeeded", done
         assert done["counts"]["succeeded"] == ITEMS, done
+        # each answer was kept with its run claim at the limit: the runs sent again finish on
+        # it, none calls the model again
+        assert model.counts()["received"] == ITEMS, model.counts()
         wait_for(lambda: receiver.for_job(batch_id), "the batch's webhook")
         [hook] = receiver.for_job(batch_id)
         assert hook.body["data"]["status"] == "succeeded", hook.body

@@ -43,6 +43,7 @@ from tests.fake_anthropic import FakeAnthropic
 from tests.integration.slow_receivers import slow_receiver
 from tests.reliability.support import (
     ACME,
+    FINISH_TIMEOUT,
     INDEX,
     Receiver,
     all_results,
@@ -407,6 +408,52 @@ def test_sigterm_hands_back_an_item_waiting_out_a_429_s_retry_after(
             assert lost.hgetall(BATCH_LOST_KEY + batch_id) == {}
         finally:
             lost.close()
+
+
+@pytest.mark.timeout(600)
+def test_sigterm_at_a_full_redis_keeps_the_calls_of_the_item_it_hands_back(
+    tmp_path: Path, shared: RecoveryStack
+) -> None:
+    """The same stop during a 429's ``retry-after``, Redis at its ``maxmemory`` meanwhile
+    (``noeviction``): the refused call is kept with the item's claim all the same, and shown
+    in the item's usage once the next worker finishes it (the re-drive sends it again once
+    Redis has room), beside its own. Before, Redis refused to keep it and the item went back
+    as though it had been kept, its claim let go without it: the next run's usage showed one
+    request of the two the model was sent."""
+    soft_shutdown = Settings(_env_file=None).worker_soft_shutdown_seconds  # type: ignore[call-arg]
+    with (
+        FakeAnthropic(delay=MODEL_SECONDS) as model,
+        recovery_stack(shared) as (url, env, client),
+        redis.Redis.from_url(url) as r,
+    ):
+        env = {**env, "ANTHROPIC_BASE_URL": model.url}
+        model.script([fa.status(429, retry_after=20)])
+        with worker(tmp_path / "w", env, "a") as worker_a:
+            ingest(client)
+            batch_id = submit(client, 1)
+            wait_for(lambda: model.counts()["received"] >= 1, "the item's call refused")
+            refused = _refused_for_oom(r)
+            r.config_set("maxmemory", int(r.info("memory")["used_memory"]) // 2)
+            try:
+                worker_a.send_signal(signal.SIGTERM)
+                worker_a.wait(3 * soft_shutdown)
+                assert _refused_for_oom(r) > refused  # Redis did refuse the stop's writes
+            finally:
+                r.config_set("maxmemory", 0)  # room again
+        log = (tmp_path / "w" / "a.log").read_text(errors="replace")
+        assert "1 items handed back" in log, log[-3000:]
+        assert model.counts()["received"] == 1  # the retry was not sent by the stopping worker
+        with worker(tmp_path / "w", env, "b"):
+            wait_finished(client, url, batch_id, FINISH_TIMEOUT)
+        assert_batch_exactly_once(client, url, batch_id, 1)
+        assert model_calls(model) == Counter({"q00000": 2})  # the 429'd call, then B's
+        [line] = all_results(client, batch_id)
+        assert line["result"]["usage"]["requests"] == 2, line  # both shown
+
+
+def _refused_for_oom(client: redis.Redis) -> int:
+    """The writes Redis refused at its ``maxmemory`` so far."""
+    return int(client.info("errorstats").get("errorstat_OOM", {}).get("count", 0))
 
 
 @pytest.mark.timeout(300)

@@ -52,9 +52,10 @@ The claim also keeps the model's answer. A worker killed after its model call re
 before the result was saved, had the redelivered run call the model again: the cost paid
 twice. The run saves the answer (the positions, the usage and cost, the attempts: a few
 hundred bytes) into its claim as soon as the call returns, one round trip
-(:meth:`RunRecords.keep_answer`); a run taking the claim over is answered it by the claim
-itself, and finishes the search on it with no model call (nothing counted again: the calls
-were counted by the run that made them), if it was shown the same candidates. A run that
+(:meth:`RunRecords.keep_answer`, on a Redis at its ``maxmemory`` too); a run taking the
+claim over is answered it by the claim itself, and finishes the search on it with no model
+call (nothing counted again: the calls were counted by the run that made them), if it was
+shown the same candidates. A run that
 lets go (to be retried: its retrieval failed before it reached the answer) carries it on to
 its retry, which dropping it had pay for the call again; the job's (or the item's) final
 move drops it, in the same script. An answer that came while Redis was unreachable (the keep

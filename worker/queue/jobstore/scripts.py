@@ -441,8 +441,13 @@ return {1, spent, answer, lost}
 # Keep the model's answer of the run holding a claim (_CLAIM_RUN's value, "|<answer>"
 # appended), just after its call returned. KEYS: the hash. ARGV: the field, the run's token,
 # the answer. Returns 1 when that run still held the claim (else nothing is written: the
-# run that took it over keeps its own).
-_KEEP_ANSWER = """
+# run that took it over keeps its own). Flagged allow-oom: the answer is the only record of
+# calls the provider was sent (a few hundred bytes, one a run, replacing the run's last), and
+# Redis at its maxmemory (noeviction) refused it. An item a stopping worker handed back
+# keeping its refused calls went back without them, and a run whose finish Redis refused was
+# run again: either way the next run called the model again, and the usage it showed left
+# out the calls before.
+_KEEP_ANSWER = """#!lua flags=allow-oom
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if not cur then return 0 end
 local head, token, lease = string.match(cur, '^([^|]*|[^|]*|[^|]*)|([^|]*)|?([^|]*)')
