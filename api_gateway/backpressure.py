@@ -14,9 +14,11 @@ overshoot the limit by more than what the other gateways admitted meanwhile.
 And past 90 % of Redis's ``maxmemory`` (:class:`StoreMemory`), new jobs are refused with a
 503 ``job_store_full`` (nothing stored, as at the limit itself), so the jobs running can
 still write their ends. A batch is judged with what it will add (:func:`batch_bytes`, its
-items and their results), so one admitted at 80 % cannot fill Redis on its own; and what
-Redis holds is read with the results the work queued or running still owes
-(:func:`with_results_owed`), so batches admitted one after another cannot fill it together.
+items and their results, each hit priced by its index's mean document, :func:`hit_bytes`),
+so one admitted below 90 % does not fill Redis on its own; and what Redis holds is read
+with the results the work queued or running still owes (:func:`with_results_owed`), so
+batches admitted one after another do not fill it together (that owed figure is still a
+fixed size a result: see :data:`OWED_BYTES`).
 """
 
 from __future__ import annotations
@@ -151,30 +153,60 @@ MemoryReading = Callable[[], Awaitable[tuple[int, int]]]  # AsyncJobStore.memory
 #: its place in the order, its result's rerank, usage and timings (measured on the sample
 #: corpus: a result of 10 hits took 4.3 kB, of 30 hits 12.5 kB; an item's record some 300 B)
 ITEM_BYTES = 400
-#: About what one hit of a result holds: its id, revision, scores, ranks, and the document's
-#: text (the sample corpus's, some 100 characters: longer documents hold more)
+#: About what one hit of a result holds when its index's documents are not known: its id,
+#: revision, scores, ranks, and the document's text (the sample corpus's, some 100
+#: characters). Used where no worker has recorded the index's size (:func:`hit_bytes`)
 HIT_BYTES = 420
+#: About what one hit holds beside its document's title, text and metadata: its id,
+#: revision, scores, ranks and their JSON keys (HIT_BYTES less the sample's text)
+HIT_OVERHEAD_BYTES = 320
 #: About what an item's trace adds to its result (``include_trace``; measured 3.9 kB)
 TRACE_BYTES = 4_000
 
 
-def batch_bytes(items: list[tuple[str, str]], hits: int, traced: bool) -> int:
+def hit_bytes(size: tuple[int, int] | None) -> int:
+    """About what one hit of a result over an index takes, from the index's ``size`` (its
+    documents and their stored bytes, title, text and metadata, as a worker recorded them
+    after its last write job): the hit's own fields and the index's mean document, which it
+    carries whole. A result is stored as UTF-8 JSON, as the document is, so the factor is
+    one: only the characters JSON escapes (a quote, a line break) weigh more there. Unknown
+    (no write since this release, or a backend that does not sum it): :data:`HIT_BYTES`.
+    A fixed size for every index let a batch of 40 queries over documents of 99,000
+    characters be admitted as 1.7 MB and write 400 MB.
+
+    >>> hit_bytes(None), hit_bytes((10, 1_000)), hit_bytes((100, 9_900_000))
+    (420, 420, 99320)
+    """
+    if size is None or size[0] <= 0:
+        return HIT_BYTES
+    documents, stored = size
+    return HIT_OVERHEAD_BYTES + -(-stored // documents)
+
+
+def batch_bytes(
+    items: list[tuple[str, str]], hits: int, traced: bool, per_hit: int = HIT_BYTES
+) -> int:
     """About how many bytes a batch will hold in Redis once each item has its result:
     ``items`` its (query id, spec JSON) pairs, ``hits`` the most hits their results hold (the
-    sum of their limits), ``traced`` whether it asked for traces. An estimate, not a bound:
-    a result's hits carry their documents' text, which the gateway does not know.
+    sum of their limits), ``traced`` whether it asked for traces, ``per_hit`` what one hit
+    takes (:func:`hit_bytes` of its index). An estimate, not a bound: a result's hits carry
+    their documents, which are priced at their index's mean.
 
     >>> batch_bytes([("q1", "{}")], hits=10, traced=False)
     4604
+    >>> batch_bytes([("q1", "{}")], hits=10, traced=False, per_hit=99_320)
+    993604
     """
     per_item = ITEM_BYTES + (TRACE_BYTES if traced else 0)
     stored = sum(len(query_id) + len(spec) for query_id, spec in items)
-    return stored + len(items) * per_item + hits * HIT_BYTES
+    return stored + len(items) * per_item + hits * per_hit
 
 
 #: What a search or batch item not finished yet will still write: its result, of 10 hits (the
-#: default limit). A batch admitted is judged with its own results (:func:`batch_bytes`);
-#: those of the work admitted before it, not written yet, are counted with each reading.
+#: default limit) of the fixed size, whatever its index. A batch admitted is judged with its
+#: own results, priced by its index (:func:`batch_bytes`); those of the work admitted before
+#: it, not written yet, are counted with each reading at this size: an item over long
+#: documents owes more than it says here.
 OWED_BYTES = ITEM_BYTES + 10 * HIT_BYTES
 
 

@@ -56,6 +56,9 @@ INDEX_SETTINGS_KEY = REDIS_PREFIX + "index-settings:"  # + tenant + ":" + index 
 # held while a change or a clear of an index's settings reads, then stores them
 INDEX_SETTINGS_LOCK_KEY = REDIS_PREFIX + "index-settings-lock:"  # + tenant + ":" + index
 INDEX_SETTINGS_LOCK_SECONDS = 30.0  # a holder that died lets go after this
+# what a tenant's index holds, as a worker read it from the backend after its last write job:
+# the gateway prices a batch's hits by it (api_gateway/backpressure.py)
+INDEX_SIZE_KEY = REDIS_PREFIX + "index-size:"  # + tenant + ":" + index -> hash, no TTL
 # the economy lane (issue 7): a batch's prepared searches and its provider batches
 ECONOMY_PREPARED_KEY = REDIS_PREFIX + "eco-prepared:"  # + batch id -> hash query id -> JSON
 ECONOMY_RUNS_KEY = REDIS_PREFIX + "eco-runs:"  # + batch id -> hash query id -> rerank run JSON

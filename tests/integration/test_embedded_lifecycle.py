@@ -5,6 +5,7 @@ every document deleted by id, a drop racing the search) answers as a name nobody
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -20,6 +21,7 @@ import pytest
 from tests.integration.test_embedded_connections import fts_tables
 from worker.adapters.embedded import EmbeddedBackend, _writes
 from worker.contract import Channel
+from worker.core.catalog import IndexSize
 from worker.core.types import ChannelQuery, ChannelResults, Document, HardFilters
 from worker.errors import IndexLimitReached, IndexNotFound, ModeUnavailable
 
@@ -498,3 +500,25 @@ def test_the_index_limit_holds_for_writers_racing_on_their_own_connections(
     assert sorted(outcomes) == ["refused"] * 5 + ["written"] * 3
     written = {names[i] for i, outcome in enumerate(outcomes) if outcome == "written"}
     assert {i.name for i in backends[0].indexes("acme")} == written
+
+
+def test_an_index_s_size_is_its_documents_and_the_utf8_bytes_of_what_a_hit_carries(
+    backend: EmbeddedBackend,
+) -> None:
+    """What the gateway prices a batch's hits by (``IndexSize``): the tenant's documents and
+    the bytes of their title, text and metadata as stored, as each write leaves them; another
+    tenant's documents are not the caller's."""
+    long = Document("long", "é" * 1_000 + "\x00tail", title="Tea", metadata={"lang": "fr"})
+    backend.upsert("sci", "acme", [*DOCS, long], np.vstack([VECTORS, VECTORS[:1]]))
+    backend.upsert("sci", "globex", DOCS, VECTORS)
+    short = sum(len(d.text.encode()) + len("{}") for d in DOCS)
+    metadata = len(json.dumps(long.metadata))  # its JSON as stored
+    held = short + 2_000 + len("\x00tail") + len("Tea") + metadata
+    assert backend.index_size("sci", "acme") == IndexSize(4, held)
+    backend.upsert("sci", "acme", [Document("long", "short")], VECTORS[:1])  # replaced
+    assert backend.index_size("sci", "acme") == IndexSize(4, short + len("short") + 2)
+    backend.delete_documents("sci", "acme", ["long"])
+    assert backend.index_size("sci", "acme") == IndexSize(3, short)
+    backend.delete_index("sci", "acme")
+    assert backend.index_size("sci", "acme") is None
+    assert backend.index_size("sci", "globex") == IndexSize(3, short)

@@ -27,7 +27,7 @@ from tests.reliability.support import (
     wait_for,
 )
 from tests.services import celery_worker, gateway, redis_server
-from worker.constants import STATS_KEY
+from worker.constants import INDEX_SIZE_KEY, STATS_KEY
 
 pytestmark = pytest.mark.integration
 
@@ -200,3 +200,82 @@ def test_a_batch_that_would_fill_redis_is_refused_and_one_that_fits_ends(
             assert receiver.for_job(batch_id)[0].body["data"]["status"] == "succeeded"
             assert worker.poll() is None  # the worker runs on
             assert int(r.info("memory")["used_memory"]) < limit
+
+
+def _documents(index: str, text: str, n: int, client: httpx.Client) -> None:
+    """Upsert ``n`` documents of ``text`` (ids ``d0``...) into the caller's ``index``, to the
+    end of the job: its worker records the index's size before the job reads as done."""
+    docs = [{"id": f"d{i}", "text": text} for i in range(n)]
+    done = client.post(
+        f"/v1/indexes/{index}/documents",
+        params={"wait": 30},
+        json={"documents": docs},
+        headers=ACME,
+    )
+    assert done.status_code == 200 and done.json()["status"] == "succeeded", done.text
+
+
+def test_a_batch_s_hits_are_priced_by_what_its_index_s_documents_hold(
+    tmp_path: Path, model: FakeAnthropic
+) -> None:
+    """A hit carries its document's text into the result, and admission priced every hit at
+    420 bytes, the sample corpus's: a batch over documents of 99,000 characters was admitted
+    as 1.7 MB and wrote 400 MB, filled Redis and locked every tenant out. A worker records
+    what each index holds after each write, and a hit is priced by its index's mean
+    document: Redis at 80 % of its maxmemory (2 MB to the 90 %), ten queries of 10 hits over
+    documents of 50,000 characters (about 5 MB of results: 46 kB at the fixed price) are
+    refused, naming the index; the same batch over short documents, in another index or in
+    this one once its documents are replaced by short ones, is admitted and runs."""
+    with redis_server(tmp_path / "redis") as base, redis.Redis.from_url(base + "/0") as r:
+        url = base + "/0"
+        env = stack_env(url, model.url)
+        with (
+            gateway(tmp_path / "g", env) as gw,
+            httpx.Client(base_url=gw, timeout=90) as client,
+            celery_worker(tmp_path / "w", env, "w1"),
+        ):
+            ingest(client)  # the sample corpus: short documents
+            _documents("long", "chess kasparov opening " + "x" * 49_977, 20, client)
+            limit = 20_000_000
+            used = int(r.info("memory")["used_memory"])
+            r.setrange("ballast", int(0.8 * limit) - used, b"x")  # grown in place
+            r.config_set("maxmemory", limit)
+            time.sleep(READ_EVERY_SECONDS)  # the gateway's next request reads it again
+
+            def batch(index: str) -> httpx.Response:
+                queries = [
+                    {"id": f"q{i}", "query": "chess kasparov", "limit": 10} for i in range(10)
+                ]
+                body = {"index": index, "rerank": False, "queries": queries}
+                return client.post("/v1/batches", json=body, headers=ACME)
+
+            refused = batch("long")
+            assert refused.status_code == 503, refused.text
+            error = refused.json()["error"]
+            assert error["type"] == "job_store_full", error
+            assert "this batch of 10 queries" in error["message"], error
+            assert "index 'long'" in error["message"], error
+            taken = [batch(INDEX)]
+            _documents("long", "chess kasparov opening", 20, client)  # the same ids, short
+            taken.append(batch("long"))
+            for answer in taken:
+                assert answer.status_code == 202, answer.text
+            wait_for(
+                lambda: all(
+                    batch_counts(client, a.json()["id"])["status"] == "succeeded" for a in taken
+                ),
+                "the two batches' end",
+            )
+            assert int(r.info("memory")["used_memory"]) < 0.9 * limit
+            # the figure follows every write: an upsert's, a delete's, a drop's
+            size = f"{INDEX_SIZE_KEY}acme:long"
+            short = len("chess kasparov opening") + len("{}")  # its text and metadata
+            assert r.hgetall(size) == {b"documents": b"20", b"bytes": b"%d" % (20 * short)}
+            ids = {"ids": [f"d{i}" for i in range(10)]}
+            path = "/v1/indexes/long/documents/delete"
+            deleted = client.post(path, params={"wait": 30}, json=ids, headers=ACME)
+            assert deleted.status_code == 200, deleted.text
+            assert r.hgetall(size) == {b"documents": b"10", b"bytes": b"%d" % (10 * short)}
+            dropped = client.delete("/v1/indexes/long", params={"wait": 30}, headers=ACME)
+            assert dropped.status_code == 200, dropped.text
+            assert not r.exists(size)

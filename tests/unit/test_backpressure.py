@@ -8,6 +8,8 @@ import asyncio
 import pytest
 
 from api_gateway.backpressure import (
+    HIT_BYTES,
+    HIT_OVERHEAD_BYTES,
     READ_EVERY_SECONDS,
     Backlog,
     BacklogFull,
@@ -15,6 +17,7 @@ from api_gateway.backpressure import (
     StoreMemory,
     TooLargeForStore,
     batch_bytes,
+    hit_bytes,
 )
 
 
@@ -181,3 +184,14 @@ def test_a_batch_s_bytes_grow_with_its_specs_its_hits_and_its_traces() -> None:
     assert batch_bytes([("q1", "{}")], hits=100, traced=False) > 5 * one
     assert batch_bytes([("q1", "{}")], hits=10, traced=True) > 1.5 * one
     assert batch_bytes([("q1", "{}"), ("q2", "{}")], hits=20, traced=False) == 2 * one
+
+
+def test_a_hit_is_priced_by_its_index_s_mean_document_or_the_fixed_size_when_unknown() -> None:
+    """A hit carries its document's title, text and metadata into the result: one over an
+    index of documents of 99,000 bytes weighs 99 kB, not the sample corpus's 420 B."""
+    assert hit_bytes(None) == HIT_BYTES
+    assert hit_bytes((0, 0)) == HIT_BYTES  # no document recorded: nothing to measure
+    assert hit_bytes((100, 9_900_000)) == HIT_OVERHEAD_BYTES + 99_000
+    assert hit_bytes((3, 10)) == HIT_OVERHEAD_BYTES + 4  # rounded up
+    long = batch_bytes([("q1", "{}")], hits=100, traced=False, per_hit=hit_bytes((1, 99_000)))
+    assert long > 9_900_000 > 100 * batch_bytes([("q1", "{}")], hits=100, traced=False)

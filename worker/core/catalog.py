@@ -30,6 +30,18 @@ class IndexInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class IndexSize:
+    """How much one tenant's index holds: its documents, and the UTF-8 bytes of their title,
+    text and metadata (JSON) together, what each of its search hits carries into a result.
+    A worker records it in Redis after each write job; the gateway prices a batch's hits by
+    its mean (``api_gateway/backpressure.py``): a fixed size let a batch over long
+    documents fill Redis."""
+
+    documents: int
+    stored_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class StoredDocument:
     """A document as stored, without its vector."""
 

@@ -9,7 +9,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from worker.contract import Channel
-from worker.core.catalog import IndexInfo, ListedDocument, SearchSettings, StoredDocument
+from worker.core.catalog import (
+    IndexInfo,
+    IndexSize,
+    ListedDocument,
+    SearchSettings,
+    StoredDocument,
+)
 from worker.core.types import (
     BudgetGrant,
     ChannelQuery,
@@ -136,6 +142,16 @@ class IndexCatalog(Protocol):
 
     def delete_index(self, index: str, tenant: str, *, version: int | None = None) -> int:
         """Delete every document of the tenant in the index written before ``version``."""
+        ...
+
+
+class IndexSizing(Protocol):
+    """A backend that sums what a tenant's index holds (the embedded one; Elasticsearch
+    does not yet): a worker records it after each write (ingest, delete, drop) for the
+    gateway's admission of batches."""
+
+    def index_size(self, index: str, tenant: str) -> IndexSize | None:
+        """The tenant's documents in the index and their stored bytes; None: it holds none."""
         ...
 
 

@@ -12,16 +12,19 @@ delete that takes its last document.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict
 from typing import Any, cast
 
 from worker.adapters.index_settings import IndexSettingsStore
 from worker.core.catalog import IndexInfo, SearchSettings
 from worker.core.pipeline import shown_metadata
-from worker.core.ports import IndexCatalog
+from worker.core.ports import IndexCatalog, IndexSizing
 from worker.errors import ConfigError, IndexNotFound, InvalidRequest, SiftError
 from worker.queue.jobstore import IngestJob, JobStore
 from worker.runtime.inprocess import Runtime
+
+log = logging.getLogger(__name__)
 
 
 def catalog(runtime: object) -> IndexCatalog:
@@ -55,6 +58,27 @@ def delete(
     if store is not None and _left_empty(backend, job, jobs):
         store.clear(job.index, job.tenant, job.version)
     return gone
+
+
+def record_size(runtime: object, jobs: JobStore, job: IngestJob) -> None:
+    """After a write job (an upsert, a delete, a drop) ran, record what the tenant's index
+    holds now, as the backend sums it, for the gateway's admission of batches (a hit there
+    is priced by its index's mean document). A backend that does not sum it
+    (Elasticsearch) records nothing, and the gateway prices a hit at its fixed size; a
+    backend that fails the reading leaves the last one, logged: the write itself is done. A
+    runtime without a pipeline (a test's scripted one) has no backend to read."""
+    backend = getattr(getattr(runtime, "pipeline", None), "backend", None)
+    if not hasattr(backend, "index_size"):
+        return
+    try:
+        size = cast(IndexSizing, backend).index_size(job.index, job.tenant)
+    except SiftError as exc:
+        log.warning("ingest %s: the size of index %r not read (%s)", job.id, job.index, exc)
+        return
+    if size is None:
+        jobs.record_index_size(job.tenant, job.index, 0, 0)
+    else:
+        jobs.record_index_size(job.tenant, job.index, size.documents, size.stored_bytes)
 
 
 def drop(

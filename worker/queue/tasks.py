@@ -736,6 +736,7 @@ def _ingest(task: SiftTask, job: IngestJob, claim: RunClaim) -> None:
         error = error_info(exc)
         count_completed("ingest", store.finish_ingest(job_id, error=error), error)
         return
+    lifecycle.record_size(task.context.runtime, store, job)  # before the job reads as done
     if deleting:
         count_completed("ingest", store.finish_ingest(job_id, deleted=deleted), None)
         log.info(

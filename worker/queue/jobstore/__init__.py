@@ -34,6 +34,8 @@ Layout (every prefix is in :mod:`worker.constants`):
                                      settings); starts from sift:write-version, earlier releases'
     sift:write-version-legacy hash   {mark, seen}: whether an earlier release still writes
     sift:index-reply:<id>     list   one index read's answer, for 60 s
+    sift:index-size:<t>:<i>   hash   documents, bytes: what the tenant's index holds (its
+                                     title, text and metadata), written after each write job
     sift:idem:<tenant>:<h>    string {"fp", "state", "job"} for one Idempotency-Key
     sift:attempts:<task>:<n>  string deliveries of one task message
     sift:attempts-freed:<task>:<n> string of them, those left uncounted as an outage's returns

@@ -22,7 +22,12 @@ from worker.constants import (
 )
 from worker.contract import SearchSpec
 from worker.queue.jobstore.idempotency import IdempotencyRef
-from worker.queue.jobstore.lifecycle import MIN_REPLY_SLICE_SECONDS, reply_slice_seconds
+from worker.queue.jobstore.lifecycle import (
+    MIN_REPLY_SLICE_SECONDS,
+    index_size_key,
+    index_size_of,
+    reply_slice_seconds,
+)
 from worker.queue.jobstore.records import Enqueue, SearchJob, _in_flight
 from worker.queue.jobstore.scripts import _CREATE_SEARCH
 from worker.queue.jobstore.searches import _create_search_call, _new_search, _search_created
@@ -122,6 +127,12 @@ class AsyncJobStore:
     async def in_flight(self) -> dict[str, int]:
         """:meth:`JobStore.in_flight`, awaited."""
         return _in_flight(cast(dict[str, str], await self.redis.hgetall(STATS_KEY)))
+
+    async def index_size(self, tenant: str, index: str) -> tuple[int, int] | None:
+        """The documents of the tenant's index and their stored bytes, as a worker recorded
+        them after its last write job (:meth:`JobStore.record_index_size`); None: unknown."""
+        raw = await self.redis.hmget(index_size_key(tenant, index), ["documents", "bytes"])
+        return index_size_of(cast(list[str | None], raw))
 
     async def await_reply(self, key: str, timeout: float) -> str | None:
         """The answer to one index read (:meth:`JobStore.reply`), or None if none came within

@@ -19,7 +19,12 @@ from collections.abc import Sequence
 from typing import cast
 
 from worker.clock import server_seconds
-from worker.constants import INDEX_REPLY_KEY, INDEX_REPLY_TTL_SECONDS, INGEST_DOCS_KEY
+from worker.constants import (
+    INDEX_REPLY_KEY,
+    INDEX_REPLY_TTL_SECONDS,
+    INDEX_SIZE_KEY,
+    INGEST_DOCS_KEY,
+)
 from worker.queue.jobstore.ingests import IngestRecords
 from worker.queue.jobstore.records import Enqueue, IngestJob
 
@@ -47,6 +52,17 @@ class LifecycleRecords(IngestRecords):
         """The ids a delete job deletes; None once they expired."""
         raw = cast(str | None, self.redis.get(INGEST_DOCS_KEY + job_id))
         return None if raw is None else [str(i) for i in json.loads(raw)]
+
+    def record_index_size(self, tenant: str, index: str, documents: int, stored: int) -> None:
+        """Keep what the tenant's index holds, as the backend read it after a write job: its
+        ``documents`` and their ``stored`` bytes (no document: the key goes). A whole
+        reading, not a delta: a job run twice, or two jobs' readings landing out of order,
+        leave it true again by the next write."""
+        key = index_size_key(tenant, index)
+        if documents <= 0:
+            self.redis.delete(key)
+        else:
+            self.redis.hset(key, mapping={"documents": documents, "bytes": stored})
 
     @staticmethod
     def new_reply_key() -> str:
@@ -79,3 +95,22 @@ def reply_slice_seconds(socket_timeout: float | None) -> float:
     (1.0, 0.5, 1.0)
     """
     return min(1.0, socket_timeout / 2) if socket_timeout else 1.0
+
+
+def index_size_key(tenant: str, index: str) -> str:
+    return f"{INDEX_SIZE_KEY}{tenant}:{index}"
+
+
+def index_size_of(raw: Sequence[str | None]) -> tuple[int, int] | None:
+    """The documents and stored bytes of a tenant's index from its key's ``documents`` and
+    ``bytes`` (an HMGET's answer); None when not recorded.
+
+    >>> index_size_of(["3", "900"])
+    (3, 900)
+    >>> index_size_of([None, None]) is None
+    True
+    """
+    documents, stored = raw
+    if documents is None or stored is None:
+        return None
+    return int(documents), int(stored)

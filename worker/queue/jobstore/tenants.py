@@ -58,6 +58,7 @@ from worker.constants import (
     IDEMPOTENCY_KEY,
     INDEX_SETTINGS_KEY,
     INDEX_SETTINGS_LOCK_KEY,
+    INDEX_SIZE_KEY,
     INGEST_DOCS_KEY,
     INGEST_KEY,
     REDRIVE_COUNT_KEY,
@@ -212,9 +213,10 @@ class TenantRecords(BatchRecords, BatchItemRecords):
 
     def delete_tenant_keys(self, tenant: str) -> Counter[str]:
         """Delete the keys that name the tenant: its job lists, its Idempotency-Keys, an
-        earlier release's index settings (and locks), its write-version counter, the marks
-        of the jobs it erased (:mod:`~worker.queue.jobstore.erasure`). Run after
-        its indexes are dropped (each drop takes a write version)."""
+        earlier release's index settings (and locks), its indexes' recorded sizes, its
+        write-version counter, the marks of the jobs it erased
+        (:mod:`~worker.queue.jobstore.erasure`). Run after its indexes are dropped (each
+        drop takes a write version)."""
         deleted: Counter[str] = Counter()
         families = {
             "job lists": [job_index_key(kind, tenant) for kind in _RECORDS],
@@ -227,6 +229,9 @@ class TenantRecords(BatchRecords, BatchItemRecords):
                     match=f"{INDEX_SETTINGS_LOCK_KEY}{tenant}:*", count=SCAN_COUNT
                 ),
             ],
+            "index sizes": list(
+                self.redis.scan_iter(match=f"{INDEX_SIZE_KEY}{tenant}:*", count=SCAN_COUNT)
+            ),
             "write version": [WRITE_VERSION_TENANT_KEY + tenant],
             "erasure marks": self._erasure_marks(tenant),
         }
