@@ -205,7 +205,7 @@ def main() -> None:
             f"{args.corpus}: {len(docs):,} documents per tenant, written {args.batch} per "
             f"transaction, {segments} FTS5 segments; window {size}, "
             f"{args.retrievals} searches per round, {os.cpu_count()} CPUs, "
-            f"{cpu_slots(0)._initial_value} CPU slots"  # type: ignore[attr-defined]
+            f"{cpu_slots(0).size} CPU slots"
         )
         sides = {
             t: [

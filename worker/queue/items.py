@@ -44,6 +44,7 @@ from typing import Literal, Protocol
 from worker.contract import ErrorInfo, SearchResult
 from worker.observability.logcontext import job_context
 from worker.queue.jobstore import BatchItem, ItemTransition, JobStore
+from worker.runtime.slots import behind_searches
 
 log = logging.getLogger(__name__)
 
@@ -301,9 +302,15 @@ class ItemQueue:
             chunk.record(transition.batch_completed, False)
 
     def _work(self) -> None:
-        """Run items until the queue is empty. What breaks a runner fails the chunk of the
-        item it was running (if that item is not yet accounted for); an item it had taken
-        but not run goes back for another runner."""
+        """Run items until the queue is empty, each waiting for its CPU slot behind the
+        searches (:func:`~worker.runtime.slots.behind_searches`)."""
+        with behind_searches():
+            self._run_items()
+
+    def _run_items(self) -> None:
+        """What breaks a runner fails the chunk of the item it was running (if that item is
+        not yet accounted for); an item it had taken but not run goes back for another
+        runner."""
         current = self._take()  # the item being run, until it is accounted for
         taken: Entry | None = None  # the next one, off the queue
         try:
