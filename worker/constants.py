@@ -251,6 +251,7 @@ METRIC_SEARCH_DURATION = "sift_search_duration_seconds"
 METRIC_QUEUE_WAIT = "sift_job_queue_wait_seconds"
 METRIC_RETRIEVAL_DURATION = "sift_retrieval_duration_seconds"
 METRIC_RETRIEVAL_HITS = "sift_retrieval_hits"
+METRIC_CPU_SLOT_WAIT = "sift_cpu_slot_wait_seconds"  # a worker process's CPU slots
 METRIC_RERANK_DURATION = "sift_rerank_duration_seconds"
 METRIC_RERANK_TOKENS = "sift_rerank_tokens_total"
 METRIC_RERANK_ATTEMPTS = "sift_rerank_attempts_total"

@@ -4,7 +4,7 @@ A real gateway under uvicorn, a real Redis and a real ``sift worker`` at its def
 process, its item pool of 300 threads, one CPU slot per core and one more). A batch's chunks
 put every item on the item pool at once, and the items queue for the slots; a single search
 sent then waited behind every one of them in one line (a median of 2 s, 7 s at worst, behind
-a 20,000-item batch, for 5 ms of its own work). No clock is
+a 20,000-item batch, for 5 ms of its own work), a wait its trace did not show. No clock is
 read here: what is asserted is an order, how many of the items already waiting for a slot
 when the search was sent finished before it did.
 """
@@ -40,7 +40,7 @@ def _search(stack: Stack) -> dict[str, Any]:
     response = stack.client.post(
         "/v1/searches",
         params={"wait": 30},
-        json={"index": INDEX, "query": "volcano ash", "rerank": False},
+        json={"index": INDEX, "query": "volcano ash", "rerank": False, "include_trace": True},
         headers=ACME,
     )
     assert response.status_code == 200, response.text
@@ -59,9 +59,10 @@ def test_a_single_search_waits_for_its_cpu_slot_ahead_of_a_batch_s_items(tmp_pat
             wait_for(lambda: batch_counts(client, batch_id)["counts"]["running"]
                      >= ITEM_POOL * 2 // 3, "the item pool full")  # fmt: skip
             waiting = overtaken = 0
+            traces = []
             for _ in range(SEARCHES):
                 before = batch_counts(client, batch_id)["counts"]
-                _search(stack)
+                traces.append(_search(stack)["result"]["trace"])
                 after = batch_counts(client, batch_id)["counts"]
                 assert after["succeeded"] < BATCH, after  # the batch ran throughout
                 waiting += before["running"]
@@ -73,3 +74,6 @@ def test_a_single_search_waits_for_its_cpu_slot_ahead_of_a_batch_s_items(tmp_pat
         # them. Ahead of them, it has the next slot freed; the items finished meanwhile are
         # those ending while it travels to its worker and back.
         assert overtaken < waiting // 2, (overtaken, waiting)
+        for trace in traces:  # its wait, told
+            assert isinstance(trace["slot_wait_seconds"], float), trace
+            assert trace["slot_wait_seconds"] >= 0.0

@@ -93,3 +93,15 @@ def test_a_slot_released_more_times_than_held_is_an_error() -> None:
     slots = CpuSlots(1)
     with pytest.raises(ValueError, match="released more times"):
         slots.release()
+
+
+def test_each_wait_is_told_with_its_line() -> None:
+    # The wait was in no metric: a search's two seconds behind a batch's items showed nowhere.
+    told: list[tuple[str, float]] = []
+    slots = CpuSlots(1, lambda line, seconds: told.append((line, seconds)))
+    waiters = _Waiters(slots)
+    with slots:  # free: told as no wait
+        waiters.start("item-0", batch=True)
+    waiters.join()
+    assert [line for line, _ in told] == ["search", "batch"]
+    assert told[0][1] >= 0.0 and told[1][1] > 0.0  # the item waited for the holder's end

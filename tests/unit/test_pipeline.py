@@ -668,3 +668,18 @@ def test_an_ingest_of_another_models_vectors_is_refused_and_writes_nothing() -> 
     with pytest.raises(EmbeddingModelMismatch):
         Runtime(pipeline).ingest("docs", "acme", [DocumentIn(id="acme-0", text="replaced")])
     assert backend.rows == before
+
+
+def test_the_trace_tells_the_wait_for_a_cpu_slot_the_deadline_leaves_out() -> None:
+    # The wait is no part of the deadline (a queue's), and was in no trace: a single search
+    # queued behind a batch's items for its slot showed 5 ms of work in a search of 2 s.
+    # A retrieval retry's wait to hold the slot again counts as well.
+    clock = FakeClock()
+    made, _, recorder = make([reply([0, 1])], clock=clock)
+    assert isinstance(made.backend, InMemoryBackend)
+    made.backend.fail_next = 1
+    pipeline = with_busy_slots(made, recorder, clock, wait=3.0)
+    result = pipeline.search(spec(include_trace=True), "acme")
+    assert result.trace is not None and result.trace["slot_wait_seconds"] == 6.0
+    prepared = with_busy_slots(made, recorder, clock, wait=2.0).prepare(spec(), "acme")
+    assert prepared.trace["slot_wait_seconds"] == 2.0  # an economy item's first half

@@ -50,6 +50,7 @@ class Deadline:
     clock: Callable[[], float] = time.monotonic
     spent: float = 0.0
     started: float = field(init=False)
+    left_out: float = field(init=False, default=0.0)  # the waits :meth:`leave_out` was told
 
     def __post_init__(self) -> None:
         self.started = self.clock() - self.spent
@@ -69,6 +70,7 @@ class Deadline:
         """Leave ``seconds`` just waited out of the deadline: a queue's wait, not the
         search's (a CPU slot's, again after a retrieval retry's back-off)."""
         self.started += max(0.0, seconds)
+        self.left_out += max(0.0, seconds)
 
 
 def answer_date(value: str | None) -> datetime | None:

@@ -196,7 +196,10 @@ def load_runtime(settings: Settings, limiter: ProviderLimiter | None = None) -> 
     from worker.runtime.inprocess import Runtime as InProcessRuntime
     from worker.runtime.inprocess import build_runtime
 
-    overrides: dict[str, Any] = {"recorder": metrics.PrometheusRecorder()}
+    overrides: dict[str, Any] = {
+        "recorder": metrics.PrometheusRecorder(),
+        "slot_waited": metrics.slot_waited,
+    }
     budget = build_rate_budget(settings)  # one budget for every worker process, in Redis
     reranker = build_reranker(settings, on_headers=budget.learn if budget else None)
     if budget is not None:

@@ -25,7 +25,7 @@ from worker.core.ports import (
     SearchBackend,
 )
 from worker.errors import ConfigError
-from worker.runtime.slots import Slots, SlottedEmbedder, cpu_slots
+from worker.runtime.slots import Slots, SlottedEmbedder, Waited, cpu_slots
 from worker.settings import RateLimit, Settings
 
 if TYPE_CHECKING:
@@ -247,10 +247,12 @@ def build_pipeline(
     sleep: Callable[[float], None] = time.sleep,
     rate_budget: RateBudget | None = None,
     index_settings: IndexSettingsSource | None = None,
+    slot_waited: Waited | None = None,
 ) -> SearchPipeline:
+    # ``slot_waited`` hears of each wait for a CPU slot (the queue's worker: the metrics').
     # The embedded backend computes in this process: a CPU slot is held through each whole
     # first half. Elasticsearch's retrieval waits on the network: only embedding holds one.
-    slots = cpu_slots(settings.cpu_slots)
+    slots = cpu_slots(settings.cpu_slots, slot_waited)
     local = backend is None and settings.search_backend == "embedded"
     backend = backend or build_backend(settings)
     return SearchPipeline(

@@ -27,8 +27,9 @@ the longest-waiting batch item: first come, first served within each line.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from typing import Any
@@ -39,15 +40,18 @@ from worker.processes.machine import cpu_count
 Slots = AbstractContextManager[Any]
 
 
+# Told each wait for a slot: its line ("search" or "batch") and its seconds (0: one was free).
+Waited = Callable[[str, float], None]
 # Whether this thread's slot waits go behind every search's: set by a batch item's runner.
 _BEHIND_SEARCHES: ContextVar[bool] = ContextVar("behind_searches", default=False)
 
 
-def cpu_slots(slots: int) -> CpuSlots:
+def cpu_slots(slots: int, waited: Waited | None = None) -> CpuSlots:
     """``slots`` CPU slots to share between the stages; 0 is one per core and one more, so
     a core need not idle while a slot's holder waits on a read (measured best for a worker:
-    532 batch queries/s with 3 slots on 2 cores, against 488 with 2)."""
-    return CpuSlots(slots or cpu_count() + 1)
+    532 batch queries/s with 3 slots on 2 cores, against 488 with 2). ``waited`` hears of
+    each wait for one (the metrics' :func:`~worker.observability.metrics.slot_waited`)."""
+    return CpuSlots(slots or cpu_count() + 1, waited)
 
 
 @contextmanager
@@ -72,9 +76,10 @@ class CpuSlots:
     0
     """
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, waited: Waited | None = None) -> None:
         self.size = size
         self.free = size
+        self._waited = waited
         self._lock = threading.Lock()
         self._searches: deque[threading.Lock] = deque()
         self._batch: deque[threading.Lock] = deque()
@@ -88,16 +93,21 @@ class CpuSlots:
     def acquire(self, *, urgent: bool) -> None:
         """Hold a slot: at once if one is free and nobody of this line, or of a line ahead of
         it, waits; else once a holder hands one over."""
+        asked = time.monotonic()
         with self._lock:
             line = self._searches if urgent else self._batch
             ahead = self._searches if urgent else self._searches or self._batch
+            handed = None
             if self.free and not ahead:
                 self.free -= 1
-                return
-            handed = threading.Lock()
-            handed.acquire()
-            line.append(handed)
-        handed.acquire()  # released by the holder that hands its slot over
+            else:
+                handed = threading.Lock()
+                handed.acquire()
+                line.append(handed)
+        if handed is not None:
+            handed.acquire()  # released by the holder that hands its slot over
+        if self._waited is not None:
+            self._waited("search" if urgent else "batch", time.monotonic() - asked)
 
     def release(self) -> None:
         with self._lock:

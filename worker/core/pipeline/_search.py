@@ -164,10 +164,11 @@ class SearchPipeline:
         try:
             asked = self._clock()
             with self._cpu_slots:  # the deadline starts once the slot is held (see prepare)
+                waited = self._clock() - asked
                 if answers is not None:  # and so does the run's claim (its time, its lease)
-                    answers.slot_held(self._clock() - asked)
+                    answers.slot_held(waited)
                 deadline = Deadline(self.config.deadline_seconds, self._clock, spent)
-                prepared = self._prepare(spec, tenant, deadline, figures, answers)
+                prepared = self._prepare(spec, tenant, deadline, figures, answers, waited)
             if prepared.result is not None:
                 result = prepared.result
                 if prepared.skipped:  # counted with the search's other figures: once
@@ -240,10 +241,12 @@ class SearchPipeline:
         one's own retrieval well under a second.
         """
         figures: list[Callable[[], None]] = []
+        asked = self._clock()
         with self._cpu_slots:
+            waited = self._clock() - asked
             deadline = Deadline(self.config.deadline_seconds, self._clock)
             try:
-                prepared = self._prepare(spec, tenant, deadline, figures)
+                prepared = self._prepare(spec, tenant, deadline, figures, slot_wait=waited)
             except BaseException:
                 _record(figures)
                 self.recorder.search_done(spec.mode, "error", deadline.elapsed())
@@ -370,14 +373,18 @@ class SearchPipeline:
         deadline: Deadline,
         figures: list[Callable[[], None]],
         answers: AnswerKeeper | None = None,
+        slot_wait: float = 0.0,
     ) -> Prepared:
         """Retrieval and fusion, then the prompt; the figures they make (each stage's
         duration and hits) are appended to ``figures``, for the caller to record.
-        ``answers``: told when a retrieval retry holds its CPU slot again."""
+        ``answers``: told when a retrieval retry holds its CPU slot again. ``slot_wait``: the
+        seconds the run waited for its CPU slot; the trace tells them with the waits to hold
+        it again after a retry's back-off (none of them the deadline's)."""
         query = normalise_query(spec.query)
         reranking = self._reranking(spec)
         retrieval = self._retrieval(answers)
         candidates, trace = retrieval.run(spec, tenant, query, reranking, deadline, figures)
+        trace["slot_wait_seconds"] = max(0.0, slot_wait) + deadline.left_out
 
         if not reranking or not candidates:
             info = RerankInfo(applied=False, policy=None, fallback_reason=None)

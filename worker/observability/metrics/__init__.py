@@ -143,6 +143,7 @@ from worker.observability.metrics._rerank import (
     rerank_in_flight,
 )
 from worker.observability.metrics._search import (
+    CPU_SLOT_WAIT,
     HITS_BUCKETS,
     RETRIEVAL_BUCKETS,
     RETRIEVAL_CHANNELS,
@@ -153,6 +154,9 @@ from worker.observability.metrics._search import (
     SEARCH_LATENCY_GOAL_SECONDS,
     SEARCH_MODES,
     SEARCH_OUTCOMES,
+    SLOT_LINES,
+    SLOT_WAIT_BUCKETS,
+    slot_waited,
 )
 from worker.observability.metrics._series import ALL_METRICS, preregister
 
@@ -162,6 +166,7 @@ __all__ = [
     "BUDGET_WAIT",
     "BUDGET_WAIT_BUCKETS",
     "CLOCK_SKEW",
+    "CPU_SLOT_WAIT",
     "HITS_BUCKETS",
     "INDEX_READS_DROPPED",
     "INDEX_READ_OPERATIONS",
@@ -207,6 +212,8 @@ __all__ = [
     "SEARCH_LATENCY_GOAL_SECONDS",
     "SEARCH_MODES",
     "SEARCH_OUTCOMES",
+    "SLOT_LINES",
+    "SLOT_WAIT_BUCKETS",
     "TASK_DURATION",
     "TASK_RETRIES",
     "TOKEN_TYPES",
@@ -245,6 +252,7 @@ __all__ = [
     "running_job",
     "serve_worker_metrics",
     "setup_multiprocess",
+    "slot_waited",
     "snapshot",
     "start_worker_metrics_server",
     "sweep_dead_processes",

@@ -1,5 +1,5 @@
-"""What a search's own stages measure: the whole search by mode and outcome, and each retrieval
-channel's time and hits (the rerank's are :mod:`._rerank`'s)."""
+"""What a search's own stages measure: the whole search by mode and outcome, its wait for a
+CPU slot, and each retrieval channel's time and hits (the rerank's are :mod:`._rerank`'s)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ from typing import Final
 from prometheus_client import Histogram
 
 from worker.constants import (
+    METRIC_CPU_SLOT_WAIT,
     METRIC_RETRIEVAL_DURATION,
     METRIC_RETRIEVAL_HITS,
     METRIC_SEARCH_DURATION,
 )
+from worker.observability.metrics._recording import child, closed, never_raises
 
 # --- closed label sets ---
 SEARCH_MODES: Final = ("fts", "vector", "hybrid")
@@ -20,6 +22,9 @@ SEARCH_OUTCOMES: Final = ("ok", "fallback", "error")
 # (Elasticsearch's retriever, SIFT_ELASTICSEARCH_NATIVE_RRF), whose time is the channels' too
 RETRIEVAL_CHANNELS: Final = ("bm25", "knn", "embed", "fuse", "rrf")
 NATIVE_FUSION_CHANNEL: Final = "rrf"
+# the two lines of a process's CPU slots' waiters (worker/runtime/slots.py): a batch item's
+# waits behind every search's
+SLOT_LINES: Final = ("search", "batch")
 
 # --- buckets ---
 SEARCH_LATENCY_GOAL_SECONDS: Final = 2.5
@@ -40,6 +45,13 @@ SEARCH_BUCKETS: Final = (
 RETRIEVAL_BUCKETS: Final = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
     1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+# A search's wait for its slot is nothing or a holder's first half, a few ms; a batch item's
+# is the item pool's queue ahead of it, seconds behind 300 items: no two bounds more than 2.5
+# times apart, as the queue waits'.
+SLOT_WAIT_BUCKETS: Final = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0, 20.0, 30.0, 60.0,
 )  # fmt: skip
 # hits one channel returned for one search (its window is max(4 * coarse limit, 32): 120 at
 # the defaults), or the candidates fusion kept (the coarse limit); 0 is an empty channel
@@ -69,3 +81,17 @@ RETRIEVAL_HITS = Histogram(
     ["backend", "channel"],
     buckets=HITS_BUCKETS,
 )
+CPU_SLOT_WAIT = Histogram(
+    METRIC_CPU_SLOT_WAIT,
+    "Seconds a worker process's thread waited for a CPU slot (0: one was free), by line: "
+    "search (a search, or anything else holding one) or batch (a batch item, which waits "
+    "behind every search); no part of the search's deadline.",
+    ["line"],
+    buckets=SLOT_WAIT_BUCKETS,
+)
+
+
+@never_raises
+def slot_waited(line: str, seconds: float) -> None:
+    """A thread of ``line`` (:data:`SLOT_LINES`) held a CPU slot after ``seconds``."""
+    child(CPU_SLOT_WAIT, closed(line, SLOT_LINES, "line")).observe(max(0.0, seconds))

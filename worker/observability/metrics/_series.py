@@ -57,6 +57,7 @@ from worker.observability.metrics._rerank import (
     TOKEN_TYPES,
 )
 from worker.observability.metrics._search import (
+    CPU_SLOT_WAIT,
     NATIVE_FUSION_CHANNEL,
     RETRIEVAL_CHANNELS,
     RETRIEVAL_DURATION,
@@ -64,6 +65,7 @@ from worker.observability.metrics._search import (
     SEARCH_DURATION,
     SEARCH_MODES,
     SEARCH_OUTCOMES,
+    SLOT_LINES,
 )
 
 ALL_METRICS: Final[tuple[Counter | Gauge | Histogram, ...]] = (
@@ -71,6 +73,7 @@ ALL_METRICS: Final[tuple[Counter | Gauge | Histogram, ...]] = (
     QUEUE_WAIT,
     RETRIEVAL_DURATION,
     RETRIEVAL_HITS,
+    CPU_SLOT_WAIT,
     RERANK_DURATION,
     RERANK_TOKENS,
     RERANK_ATTEMPTS,
@@ -134,7 +137,9 @@ def preregister(
     for mode in SEARCH_MODES:
         for outcome in SEARCH_OUTCOMES:
             SEARCH_DURATION.labels(mode, outcome)
-    if backend is not None:
+    if backend is not None:  # a worker's: its searches' CPU slots
+        for line in SLOT_LINES:
+            CPU_SLOT_WAIT.labels(line)
         for channel in RETRIEVAL_CHANNELS:
             if channel == NATIVE_FUSION_CHANNEL:
                 if native_fusion:  # its kept candidates are counted as "fuse"'s
