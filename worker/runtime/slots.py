@@ -96,7 +96,7 @@ class CpuSlots:
         asked = time.monotonic()
         with self._lock:
             line = self._searches if urgent else self._batch
-            ahead = self._searches if urgent else self._searches or self._batch
+            ahead = self._searches if urgent else (self._searches or self._batch)
             handed = None
             if self.free and not ahead:
                 self.free -= 1
