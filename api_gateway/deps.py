@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from api_gateway.auth import authenticate
 from api_gateway.errors import ErrorBody
 from api_gateway.queue import OutboxSender
-from worker.constants import MAX_PAGE_SIZE, MAX_WAIT_SECONDS
+from worker.constants import MAX_PAGE_SIZE, MAX_RESULTS_PAGE_BYTES, MAX_WAIT_SECONDS
 from worker.queue.jobstore import AsyncJobStore, JobStore
 from worker.settings import Settings
 
@@ -79,6 +79,18 @@ PageSize = Annotated[
         ge=1,
         le=MAX_PAGE_SIZE,
         description="Entries per page (a filtered job list's page may hold fewer).",
+    ),
+    DIGITS,
+]
+ResultsPageSize = Annotated[
+    int,
+    Query(
+        ge=1,
+        le=MAX_PAGE_SIZE,
+        description=f"Results per page at most: a page also ends before the first item whose "
+        f"stored result would take its items' past {MAX_RESULTS_PAGE_BYTES // 2**20} MiB "
+        f"(one larger than that is a page alone), so a page can hold fewer; go on while "
+        f"`next_page_token` is not null.",
     ),
     DIGITS,
 ]

@@ -333,6 +333,10 @@ MAX_METADATA_VALUE_BYTES = 8_192
 MAX_FILTER_KEYS = 100
 MAX_PAGE_SIZE = 1_000
 DEFAULT_PAGE_SIZE = 100
+# a batch's results page also ends once its items' stored results reach this many bytes (one
+# item past it is a page alone): items of 100 hits of long documents are ~10 MB each, and a
+# page of 100 of them, built whole in the gateway's memory, was 948 MB of JSON
+MAX_RESULTS_PAGE_BYTES = 8 * 1024 * 1024
 # a document listing shows this many characters of each text (GET one document for all of it)
 DOCUMENT_PREVIEW_CHARS = 200
 MAX_WEBHOOK_URL_CHARS = 2_048

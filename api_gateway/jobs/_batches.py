@@ -15,7 +15,7 @@ from api_gateway.deps import (
     ERRORS,
     REPLAYED_HEADER,
     STORE_AWAY,
-    PageSize,
+    ResultsPageSize,
     Tenant,
     accepted,
     app_settings,
@@ -68,6 +68,7 @@ from worker.constants import (
     ECONOMY_CANCEL_TASK,
     ERROR_UNAVAILABLE,
     LANE_ECONOMY,
+    MAX_RESULTS_PAGE_BYTES,
     SEARCH_QUEUE,
     WEBHOOK_EVENT_BATCH_COMPLETED,
     WEBHOOK_QUEUE,
@@ -251,15 +252,21 @@ async def get_batch(request: Request, batch_id: JobIdPath, tenant: Tenant) -> Ba
     response_model=BatchResultsPage,
     responses={**ERRORS, **ERASED},
     summary="A batch's results, one page at a time, in submission order",
+    description="Every item appears once over the pages, with `result` or `error` once final. "
+    "A page ends at `page_size` items, or sooner, before the first item whose stored result "
+    f"would take the page's past {MAX_RESULTS_PAGE_BYTES // 2**20} MiB (an item larger than "
+    "that is a page of its own): items of many long hits are megabytes each. Each page's "
+    "`next_page_token` goes on at the item after its last; `null` on the last page.",
 )
 async def get_batch_results(
     request: Request,
     batch_id: JobIdPath,
     tenant: Tenant,
-    page_size: PageSize = DEFAULT_PAGE_SIZE,
+    page_size: ResultsPageSize = DEFAULT_PAGE_SIZE,
     page_token: Annotated[str | None, Query(max_length=64)] = None,
 ) -> Response:
-    """Every item appears once over the pages, with ``result`` or ``error`` once final."""
+    """The page is read in one snapshot that stops at the byte budget, in Redis, so the
+    gateway holds about one budget (plus one item) of results, however large the items."""
     offset = decode_results_token(page_token, batch_id)
     batch = await _owned_batch(request, batch_id, tenant)
     outcomes = await off_loop(job_store(request).batch_results_page, batch_id, offset, page_size)

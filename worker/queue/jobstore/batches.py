@@ -29,6 +29,7 @@ from worker.constants import (
     ECONOMY_RUNS_KEY,
     ECONOMY_STATE_KEY,
     LANE_STANDARD,
+    MAX_RESULTS_PAGE_BYTES,
     STATS_KEY,
     WEBHOOKS_OWED_KEY,
 )
@@ -411,30 +412,35 @@ class BatchRecords(_StoreCore):
         return int(got[0]), bool(int(got[1]))
 
     def batch_results(self, batch_id: str, start: int, count: int) -> list[ItemOutcome]:
-        """``count`` results from position ``start``, in submission order (none of a batch
-        gone)."""
+        """At most ``count`` results from position ``start``, in submission order, as a page
+        has them (none of a batch gone)."""
         return self.batch_results_page(batch_id, start, count) or []
 
-    def batch_results_page(self, batch_id: str, start: int, count: int) -> list[ItemOutcome] | None:
-        """``count`` results from position ``start``, in submission order; None if the batch
-        is gone (erased or expired) when they are read. Its record is read in the one
-        snapshot that reads its items (_READ_RESULTS_PAGE: a MULTI would be refused at Redis's
-        maxmemory), so an erase coming between the page's reads is seen: it made a page of
-        ``[]`` (the order read after it), or of items each read as ``queued`` with no outcome
-        (read after it), answered with a token for the next page."""
+    def batch_results_page(
+        self, batch_id: str, start: int, count: int, max_bytes: int = MAX_RESULTS_PAGE_BYTES
+    ) -> list[ItemOutcome] | None:
+        """At most ``count`` results from position ``start``, in submission order, ending
+        before the first whose stored outcome would take the page's past ``max_bytes`` (the
+        first is always read, however large, so paging goes on); None if the batch is gone
+        (erased or expired) when they are read. A count alone let a page of items of long
+        hits be 948 MB, all of it held by the gateway at once; the sizes are read in Redis
+        before the outcomes, so one past the budget is never copied out. Its record is read
+        in the one snapshot that reads its items (_READ_RESULTS_PAGE: a MULTI would be
+        refused at Redis's maxmemory), so an erase coming between the page's reads is seen:
+        it made a page of ``[]`` (the order read after it), or of items each read as
+        ``queued`` with no outcome (read after it), answered with a token for the next
+        page."""
         qids = self.batch_query_ids(batch_id, start, start + count)
         keys = [BATCH_KEY + batch_id, BATCH_ITEMS_KEY + batch_id, BATCH_RESULTS_KEY + batch_id]
         kept, statuses, outcomes = cast(
             tuple[int, list[str | None], list[str | None]],
-            self._read_results_page(keys=keys, args=qids),
+            self._read_results_page(keys=keys, args=[max_bytes, *qids]),
         )
         if not kept:
             return None
-        if not qids:
-            return []
         return [
             ItemOutcome(qid, JobStatus(status or "queued"), outcome or None)
-            for qid, status, outcome in zip(qids, statuses, outcomes, strict=True)
+            for qid, status, outcome in zip(qids[: len(statuses)], statuses, outcomes, strict=True)
         ]
 
     def query_ids_at(self, batch_id: str, positions: Sequence[int]) -> list[str | None]:

@@ -1052,15 +1052,22 @@ return out
 """
 
 
-# KEYS: a batch's record, its items, its results. ARGV: query ids. Returns whether the record
-# exists, then each item's status and each one's outcome (false if none): one snapshot, so an
-# erase between the reads is seen. A script, not a MULTI: at Redis's maxmemory every command
+# KEYS: a batch's record, its items, its results. ARGV: a byte budget, then query ids in the
+# page's order. Returns whether the record exists, then the status and the outcome (false if
+# none) of the first items whose outcomes' stored bytes stay within the budget (the first item
+# always, however large: each page moves on): one snapshot, so an erase between the reads is
+# seen. Each outcome's size is read (HSTRLEN) before the outcome itself, so none past the
+# budget is copied into the reply. A script, not a MULTI: at Redis's maxmemory every command
 # queued in a MULTI is refused, reads too, and a page of results was a 503 job_store_full.
 _READ_RESULTS_PAGE = """
+local budget, used = tonumber(ARGV[1]), 0
 local statuses, outcomes = {}, {}
-for i = 1, #ARGV do
-  statuses[i] = redis.call('HGET', KEYS[2], ARGV[i])
-  outcomes[i] = redis.call('HGET', KEYS[3], ARGV[i])
+for i = 2, #ARGV do
+  local size = redis.call('HSTRLEN', KEYS[3], ARGV[i])
+  if i > 2 and used + size > budget then break end
+  used = used + size
+  statuses[i - 1] = redis.call('HGET', KEYS[2], ARGV[i])
+  outcomes[i - 1] = redis.call('HGET', KEYS[3], ARGV[i])
 end
 return {redis.call('EXISTS', KEYS[1]), statuses, outcomes}
 """
