@@ -34,6 +34,7 @@ from worker.constants import (
     BATCH_ID_PREFIX,
     DEFAULT_PAGE_SIZE,
     INGEST_ID_PREFIX,
+    MAX_LIST_READ_BYTES,
     MAX_LIST_SCAN,
     SEARCH_ID_PREFIX,
 )
@@ -72,7 +73,9 @@ _LISTED = (
     f"Newest first, within the retention window (SIFT_RESULT_RETENTION_SECONDS, 7 days by "
     f"default, from a job's end). With "
     f"`status`, one request reads at most {MAX_LIST_SCAN} jobs, so a page can hold fewer than "
-    f"`page_size` (even none): go on while `next_page_token` is not null. A job created "
+    f"`page_size` (even none): go on while `next_page_token` is not null. Any page also "
+    f"ends once the records it read hold {MAX_LIST_READ_BYTES // 2**20} MiB of specs (a "
+    f"search's filters), the next entry starting the next page. A job created "
     f"while you page through appears on none of the following pages; no job appears twice. "
     f"A page token is this list's for the caller alone: another tenant's or another list's "
     f"is `422` naming `page_token`."

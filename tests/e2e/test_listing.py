@@ -21,7 +21,15 @@ import pytest
 import redis
 
 from tests.e2e.conftest import ACME, INDEX, Stack
-from worker.constants import JOB_INDEX_RETENTIONS, RESULT_TTL_SECONDS, SEARCH_KEY
+from worker.constants import (
+    DEFAULT_PAGE_SIZE,
+    JOB_INDEX_RETENTIONS,
+    MAX_FILTER_KEYS,
+    MAX_LIST_READ_BYTES,
+    MAX_METADATA_VALUE_BYTES,
+    RESULT_TTL_SECONDS,
+    SEARCH_KEY,
+)
 from worker.queue.jobstore.jobindex import KIND_SEARCH, job_index_key
 
 BATCH = {"index": INDEX, "queries": [{"id": "a", "query": "green tea"}]}
@@ -208,3 +216,36 @@ def test_the_cli_lists_jobs(stack: Stack) -> None:
     assert run.returncode == 0 and isinstance(json.loads(run.stdout), list)
     run = _sift(stack, "searches", "--status", "done")
     assert run.returncode == 2 and "--status" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_a_search_list_page_ends_at_the_byte_budget_and_goes_on_from_there(
+    stack: Stack, corpus: object
+) -> None:
+    """A search's entry is small, but its record's spec is read to make it, and a spec holds
+    its filters: up to 100 of 8 kB each (~830 kB). A page of 1,000 of them was read whole."""
+    filters = {
+        f"k{j:03d}": f"{j}".ljust(MAX_METADATA_VALUE_BYTES, "v") for j in range(MAX_FILTER_KEYS)
+    }
+    spec_bytes = len(json.dumps(filters, separators=(",", ":")))
+    count = MAX_LIST_READ_BYTES // spec_bytes + 3  # past one page's budget
+    mine, statuses = [], set()
+    for i in range(count):
+        response = stack.live.post(
+            "/v1/searches",
+            json={"index": INDEX, "query": f"green tea {i}", "filters": filters},
+            params={"wait": 20},
+            headers=ACME,
+        )
+        assert response.status_code == 200, response.text
+        mine.append(response.json()["id"])
+        statuses.add(response.json()["status"])
+    (status,) = statuses
+    for params in ({}, {"status": status}):  # a filtered read is bounded too
+        pages = _pages(stack.live, "/v1/searches", "searches", **params)
+        listed = [s["id"] for page in pages for s in page]
+        assert len(listed) == len(set(listed))  # none twice
+        assert listed[:count] == mine[::-1]  # newest first, none skipped
+        ours = [[s["id"] for s in page if s["id"] in mine] for page in pages]
+        # each page ended at the budget: more than one such search, never all of them
+        assert all(len(page) <= MAX_LIST_READ_BYTES // spec_bytes for page in ours), ours
+        assert len(ours[0]) > 1 and len(pages[0]) < DEFAULT_PAGE_SIZE, ours

@@ -5,8 +5,11 @@ Pages go by a cursor, the (creation time, id) of the last member read, not by an
 job created while a client pages through its list would shift an offset by one (an item
 shown twice), while a cursor goes on below where the last page ended. A status filter reads
 the records to decide, so one request reads at most ``MAX_LIST_SCAN`` members; a filtered
-page can hold fewer than asked, with a cursor to go on from. A member whose record has
-expired (or is not the tenant's) is never listed, and is dropped from the index as it is read.
+page can hold fewer than asked, with a cursor to go on from. So can any page once the records
+it read hold ``MAX_LIST_READ_BYTES`` in their large fields (a search's spec holds its filters,
+up to ~830 kB): a page of 1,000 such searches read 830 MB into the gateway. A member whose
+record has expired (or is not the tenant's) is never listed, and is dropped from the index as
+it is read.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from worker.constants import (
     BATCH_COUNTS_KEY,
     BATCH_KEY,
     INGEST_KEY,
+    MAX_LIST_READ_BYTES,
     MAX_LIST_SCAN,
     SEARCH_KEY,
 )
@@ -56,6 +60,23 @@ class JobPage(Generic[J]):
     next: Cursor | None
 
 
+def fitting(sizes: Sequence[int], room: int, *, at_least_one: bool) -> int:
+    """How many of ``sizes``, from the first, add up to ``room`` at most; the first always
+    counts when ``at_least_one`` (a page's first entry, however large: each page moves on).
+
+    >>> fitting([3, 3, 3], 7, at_least_one=False), fitting([9, 1], 7, at_least_one=True)
+    (2, 1)
+    >>> fitting([9, 1], 7, at_least_one=False)
+    0
+    """
+    used = 0
+    for count, size in enumerate(sizes):
+        if used + size > room and not (at_least_one and count == 0):
+            return count
+        used += size
+    return len(sizes)
+
+
 class JobListing(_StoreCore):
     """A tenant's searches, batches and ingests, newest first, by status, a page at a time."""
 
@@ -90,8 +111,15 @@ class JobListing(_StoreCore):
         first = min(page_size + 1, MAX_LIST_SCAN)
         most = first if status is None else min(max(first, _FILTERED_CHUNK), MAX_LIST_SCAN)
         jobs: list[J] = []
-        scanned = 0
-        for rows, last_chunk in self._scan(key, after, first, most):
+        scanned, room, last_read = 0, MAX_LIST_READ_BYTES, after
+        for chunk, last_chunk in self._scan(key, after, first, most):
+            sizes = self._read_sizes(kind, [job_id for job_id, _ in chunk])
+            rows = chunk[: fitting(sizes, room, at_least_one=scanned == 0)]
+            if not rows:  # the budget is spent: the next page starts at this chunk
+                return JobPage(jobs, last_read)
+            room -= sum(sizes[: len(rows)])
+            cut = len(rows) < len(chunk)
+            last_chunk = last_chunk and not cut
             records = read([job_id for job_id, _ in rows])
             gone = [
                 job_id
@@ -105,9 +133,23 @@ class JobListing(_StoreCore):
                 if job is not None and job.tenant == tenant and status in (None, job.status):
                     jobs.append(job)
                 ended = last_chunk and at == len(rows)
-                if len(jobs) == page_size or scanned >= MAX_LIST_SCAN:
-                    return JobPage(jobs, None if ended else Cursor(score, job_id))
+                last_read = Cursor(score, job_id)
+                if len(jobs) == page_size or scanned >= MAX_LIST_SCAN or (cut and at == len(rows)):
+                    return JobPage(jobs, None if ended else last_read)
         return JobPage(jobs, None)
+
+    def _read_sizes(self, kind: str, ids: Sequence[str]) -> list[int]:
+        """The bytes each job's record holds in the fields its entry is read from that can be
+        large: a search's spec (its filters: up to 100 values of 8 kB) and error. A batch's or
+        an ingest's record is small (its queries and documents are kept apart): 0."""
+        if kind != KIND_SEARCH:
+            return [0] * len(ids)
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hstrlen(SEARCH_KEY + job_id, "spec")
+            pipe.hstrlen(SEARCH_KEY + job_id, "error")
+        lengths = cast(list[int], pipe.execute())
+        return [lengths[i] + lengths[i + 1] for i in range(0, len(lengths), 2)]
 
     def _scan(
         self, key: str, after: Cursor | None, first: int, most: int
