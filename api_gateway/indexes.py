@@ -57,6 +57,7 @@ from worker.constants import (
     INDEX_READ_TASK,
     INDEX_READ_TIMEOUT_SECONDS,
     MAX_DOCUMENTS_PER_REQUEST,
+    MAX_LIST_READ_BYTES,
     SEARCH_QUEUE,
 )
 from worker.contract import INDEX_PATTERN, FilterValue, FusionMethod, IndexSettingsPatch
@@ -431,7 +432,9 @@ async def update_index(
     "that was there throughout is shown twice or missed. A document whose delete job has "
     "succeeded is not listed; across all pages, the count is the index's `documents`. "
     f"Each text as its first {DOCUMENT_PREVIEW_CHARS} characters and its length, never "
-    "the vector. An index the caller does not have is the 404 `GET /v1/indexes/{index}` "
+    "the vector. Metadata is shown whole, so a page also ends before the document that "
+    f"would take it past {MAX_LIST_READ_BYTES // 2**20} MiB of JSON (its first is shown "
+    "however large). An index the caller does not have is the 404 `GET /v1/indexes/{index}` "
     "answers, whether another tenant uses the name or nobody does.",
 )
 async def list_documents(

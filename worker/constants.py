@@ -192,7 +192,8 @@ BATCH_STAGE_SLICE = 1_000  # a batch's items per Redis command (Redis serves oth
 JOB_INDEX_RETENTIONS = 2
 MAX_LIST_SCAN = 5_000  # index members one list request reads at most (a status filter's scan)
 # ... and the bytes of their records' large fields it reads at most (a search's spec, with its
-# filters, is up to ~830 kB); the member that passes it starts the next page
+# filters, is up to ~830 kB); the member that passes it starts the next page. A page of an
+# index's documents ends there too (each shows its metadata, up to ~830 kB)
 MAX_LIST_READ_BYTES = 8 * 1024 * 1024
 # Redis is asked to rewrite its files (BGREWRITEAOF; BGSAVE with save points) at most once in
 # this long after an erasure, so an erased text leaves its disk within it and a burst of

@@ -6,10 +6,12 @@ and ids each seeing only their own, and another tenant's index answering like no
 from __future__ import annotations
 
 import base64
+import json
 from typing import Any
 
 from tests.e2e.conftest import ACME, GLOBEX, Stack, ingest
 from tests.security.test_index_privacy import same_shape
+from worker.constants import DEFAULT_PAGE_SIZE, MAX_LIST_READ_BYTES, MAX_METADATA_VALUE_BYTES
 
 IDS = ["a1", "a2", "b1", "B2", "c 1", "c/2", "d1", "é1"]  # code point order: B2 first
 
@@ -145,3 +147,18 @@ def test_a_bad_page_size_or_token_is_a_422_naming_it(stack: Stack) -> None:
     )
     assert other.status_code == 422 and other.json()["error"]["field"] == "page_token"
     assert last == IDS[0]
+
+
+def test_a_page_ends_at_the_byte_budget_and_goes_on_from_there(stack: Stack) -> None:
+    """A listed document shows its metadata whole: up to 100 values of 8 kB (~830 kB), so a
+    page of 1,000 of them was 830 MB, read, passed through Redis and parsed at once."""
+    metadata = {f"k{j:03d}": f"{j}".ljust(MAX_METADATA_VALUE_BYTES, "v") for j in range(100)}
+    size = len(json.dumps(metadata, separators=(",", ":")))
+    ids = [f"m{i:02d}" for i in range(MAX_LIST_READ_BYTES // size + 3)]  # past one page
+    ingest(stack, "dl-bytes", [{"id": i, "text": f"note {i}", "metadata": metadata} for i in ids])
+    pages = _all_pages(stack, "dl-bytes", DEFAULT_PAGE_SIZE)
+    assert [d["id"] for p in pages for d in p] == ids  # by id, none twice, none skipped
+    assert all(d["metadata"] == metadata for p in pages for d in p)
+    # each page ended at the budget: more than one such document, never all of them
+    assert all(1 <= len(p) <= MAX_LIST_READ_BYTES // size for p in pages), [len(p) for p in pages]
+    assert len(pages[0]) > 1, [len(p) for p in pages]
