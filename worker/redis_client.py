@@ -177,8 +177,8 @@ def unanswered(url: str) -> str | None:
     :data:`START_CHECK_TIMEOUT_SECONDS`, meets a Redis still loading its data, or is refused
     its password (a user not made yet, or a wrong password, which Celery would retry the
     same). Any other reply, a refusal included (a database Redis does not have), is an
-    answer: the checks read it. They each take no answer for no refusal, so a worker that ran
-    them before its Redis answered skipped them all (:func:`refused_channels`).
+    answer: the checks read it. They each take no answer for no refusal, so a gateway or worker
+    that ran them before its Redis answered skipped them all (:func:`refused_channels`).
 
     >>> unanswered("redis://127.0.0.1:1/0") is not None  # nothing listens there
     True
@@ -236,9 +236,9 @@ _info_refused_said = False
 
 def info_at_start(url: str, section: str) -> dict[str, Any] | None:
     """Redis's ``INFO section``, read once as a gateway or worker starts, or None: Redis not
-    answering (yet: a worker waits for it), or a user that may not run ``INFO`` (said once at
-    WARNING, :data:`INFO_REFUSED_AT_START`; a managed service's restricted role). INFO, not
-    CONFIG GET: it answers where a managed service renames or refuses CONFIG.
+    answering (yet: a gateway or worker waits for it), or a user that may not run ``INFO``
+    (said once at WARNING, :data:`INFO_REFUSED_AT_START`; a managed service's restricted
+    role). INFO, not CONFIG GET: it answers where a managed service renames or refuses CONFIG.
 
     >>> info_at_start("redis://127.0.0.1:1/0", "memory") is None  # nothing listens there
     True

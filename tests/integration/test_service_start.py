@@ -23,9 +23,11 @@ import pytest
 import redis
 
 from worker.processes.stack import (
+    Service,
     child_env,
     free_port,
     gateway_process,
+    gateway_service,
     redis_server,
     stop,
     wait_until,
@@ -187,20 +189,31 @@ def test_a_database_redis_does_not_have_is_one_line_naming_it(
     assert "Traceback" not in said and len(said.strip().splitlines()) == 1, said
 
 
-def test_a_worker_waits_for_a_redis_not_up_yet(tmp_path: Path) -> None:
+def _late_service(kind: str, tmp_path: Path, env: dict[str, str]) -> Service:
+    """``sift worker`` (its default processes) or ``sift gateway`` on ``env``, not started
+    yet: each is to start before its Redis answers."""
+    if kind == "worker":
+        return worker_service(tmp_path / "w", child_env(env, inherit_sift=False), processes=None)
+    service, _ = gateway_service(tmp_path / "g", child_env(env, inherit_sift=False))
+    return service
+
+
+@pytest.mark.parametrize("kind", ["worker", "gateway"])
+def test_it_waits_for_a_redis_not_up_yet(tmp_path: Path, kind: str) -> None:
     """The check of the database refuses only what Redis says: a Redis not answering yet (a
-    deployment whose workers start first) is waited for, as Celery waits for its broker, and
-    said so (before the start checks, which need it)."""
+    deployment whose workers or gateways start first) is waited for, as Celery waits for its
+    broker, and said so (before the start checks, which need it); then it starts. The gateway
+    started at once and checked nothing of the Redis (its version, its policy, its AOF)."""
     port = free_port()
     env = {"SIFT_REDIS_URL": f"redis://127.0.0.1:{port}/3", "SIFT_WORKER_METRICS_PORT": "0"}
     env["SIFT_DATA_DIR"] = str(tmp_path / "data")
-    service = worker_service(tmp_path, child_env(env, inherit_sift=False))
+    service = _late_service(kind, tmp_path, env)
     assert service.log is not None
     proc = service.start()
     try:
         log = service.log
         waiting = b"waiting: cannot connect to the Redis of SIFT_REDIS_URL"
-        wait_until(lambda: waiting in log.read_bytes(), "worker", proc, log)
+        wait_until(lambda: waiting in log.read_bytes(), kind, proc, log)
         with redis_server(tmp_path / "redis", port=port):
             service.wait_ready()
             assert proc.poll() is None
@@ -240,7 +253,8 @@ def test_an_evicting_redis_is_one_line_naming_its_policy(
 def _redis_saying_version_6(port: int) -> Iterator[str]:
     """A TCP proxy to the redis-server on ``port`` whose ``INFO`` says ``redis_version:6.``
     where Redis said ``7.`` (the same length: the reply's framing holds); every other byte
-    passes as it is. The machine's apt has no Redis 6 to run."""
+    passes as it is. The machine's apt has no Redis 6 to run. A connection made while nothing
+    listens on ``port`` (a Redis not up yet) is closed at once, as one not answering."""
     listener = socket.create_server(("127.0.0.1", 0))
     links: list[socket.socket] = []
 
@@ -258,7 +272,11 @@ def _redis_saying_version_6(port: int) -> Iterator[str]:
         with contextlib.suppress(OSError):
             while True:
                 down, _ = listener.accept()
-                up = socket.create_connection(("127.0.0.1", port))
+                try:
+                    up = socket.create_connection(("127.0.0.1", port))
+                except OSError:  # Redis not up yet: as if it did not answer
+                    down.close()
+                    continue
                 links.extend([down, up])
                 threading.Thread(target=pipe, args=(down, up, False), daemon=True).start()
                 threading.Thread(target=pipe, args=(up, down, True), daemon=True).start()
@@ -387,49 +405,59 @@ def test_a_user_without_pub_sub_channels_is_one_line_naming_them(
     assert "Traceback" not in said and len(said.strip().splitlines()) == 1, said
 
 
+_CHANNELS = ["~*", "&*", "+@all"]  # every key, channel and command
+_EVICTING = ("maxmemory-policy", "allkeys-lru")
+
+
 @pytest.mark.parametrize(
-    ("user", "config", "named"),
+    ("kind", "user", "config", "named"),
     [
-        pytest.param(["~*", "+@all"], ("maxmemory-policy", "noeviction"), "&*", id="no-channels"),
         pytest.param(
-            ["~*", "&*", "+@all"],
-            ("maxmemory-policy", "allkeys-lru"),
-            "maxmemory-policy",
-            id="evicting",
+            "worker", ["~*", "+@all"], ("maxmemory-policy", "noeviction"), "&*", id="no-channels"
         ),
+        pytest.param("worker", _CHANNELS, _EVICTING, "maxmemory-policy", id="evicting"),
+        pytest.param("gateway", _CHANNELS, _EVICTING, "maxmemory-policy", id="gateway-evicting"),
+        pytest.param("gateway", _CHANNELS, None, "Redis 6.", id="gateway-redis-6"),
     ],
 )
 def test_a_redis_that_answers_late_gets_the_same_start_checks(
-    tmp_path: Path, user: list[str], config: tuple[str, str], named: str
+    tmp_path: Path, kind: str, user: list[str], config: tuple[str, str] | None, named: str
 ) -> None:
-    """``sift worker`` (its default processes) started before its Redis answers (pods
-    starting together, a Redis restarting), which then comes up with a user without Pub/Sub
-    channels, or evicting: the start checks took "not answering" for no refusal and let it
-    start, and never looked again; each worker process died on Celery's ``PSUBSCRIBE`` and
-    was restarted for good (the evicting Redis ran on). It now waits for Redis to answer, as
-    Celery waits for its broker, then stops as on a Redis up at the start: one line, exit 2.
-    The user is made after Redis is up: the worker's tries meanwhile are refused its
-    password, which is waited out too."""
+    """``sift worker`` (its default processes) or ``sift gateway`` started before its Redis
+    answers (pods starting together, a Redis restarting), which then comes up with a user
+    without Pub/Sub channels, evicting, or older than 7.0 (``config`` None: a proxy that says
+    6.): the start checks took "not answering" for no refusal and let it start, and never
+    looked again; each worker process died on Celery's ``PSUBSCRIBE`` and was restarted for
+    good (the evicting Redis ran on), and the gateway served on an evicting Redis or one
+    whose scripts it cannot load. Each now waits for Redis to answer, as Celery waits for its
+    broker, then stops as on a Redis up at the start: one line, exit 2. The user is made after
+    Redis is up: the tries meanwhile are refused its password, which is waited out too."""
     port = free_port()
-    env = {"SIFT_REDIS_URL": f"redis://sift:pw@127.0.0.1:{port}/0", "COLUMNS": "200"}
-    env.update(SIFT_WORKER_METRICS_PORT="0", SIFT_DATA_DIR=str(tmp_path / "data"))
-    service = worker_service(tmp_path / "w", child_env(env, inherit_sift=False), processes=None)
-    assert service.log is not None
-    log = service.log
-    proc = service.start()
-    try:  # waiting for Redis: Celery's line before, the start check's now
-        wait_until(lambda: b"cannot connect to" in log.read_bytes().lower(), "worker", proc, log)
-        with redis_server(tmp_path / "redis", port=port) as url:
-            admin = redis.Redis.from_url(url)
-            admin.config_set(*config)
-            admin.execute_command("ACL", "SETUSER", "sift", "on", ">pw", *user)
-            admin.close()
-            try:
-                code = proc.wait(60)  # a worker process starts and dies within 10 s or so
-            except subprocess.TimeoutExpired:
-                pytest.fail(log.read_text(errors="replace")[-4000:])
-    finally:
-        stop(proc, service.stop_timeout)
+    with contextlib.ExitStack() as stack:
+        target = port
+        if config is None:  # the proxy answers from the start; Redis behind it, late
+            proxied = stack.enter_context(_redis_saying_version_6(port))
+            target = int(proxied.rsplit(":", 1)[1])
+        env = {"SIFT_REDIS_URL": f"redis://sift:pw@127.0.0.1:{target}/0", "COLUMNS": "200"}
+        env.update(SIFT_WORKER_METRICS_PORT="0", SIFT_DATA_DIR=str(tmp_path / "data"))
+        service = _late_service(kind, tmp_path, env)
+        assert service.log is not None
+        log = service.log
+        proc = service.start()
+        try:  # waiting for Redis: Celery's line before, the start check's now
+            wait_until(lambda: b"cannot connect to" in log.read_bytes().lower(), kind, proc, log)
+            with redis_server(tmp_path / "redis", port=port) as url:
+                admin = redis.Redis.from_url(url)
+                if config is not None:
+                    admin.config_set(*config)
+                admin.execute_command("ACL", "SETUSER", "sift", "on", ">pw", *user)
+                admin.close()
+                try:
+                    code = proc.wait(60)  # a worker process starts and dies within 10 s or so
+                except subprocess.TimeoutExpired:
+                    pytest.fail(log.read_text(errors="replace")[-4000:])
+        finally:
+            stop(proc, service.stop_timeout)
     said = log.read_text(errors="replace")
     assert code == 2, said[-4000:]
     assert "SIFT_REDIS_URL" in said and named in said, said[-4000:]

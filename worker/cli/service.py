@@ -83,8 +83,8 @@ def gateway(
     overrides = {} if port is None else {"gateway_port": port}
     settings = _settings(options=("gateway_port",), **overrides)
     _require_redis(settings, "the gateway")
-    _check_redis_config(settings, channels=False)  # the gateway subscribes to none
-    _require_api_keys(settings)
+    _require_api_keys(settings)  # needs no Redis: checked before its wait
+    _check_redis_at_start(settings, worker=False)
     uvicorn.run(
         "api_gateway.app:serve", factory=True, host=host, port=settings.gateway_port,
         access_log=False, log_level=settings.log_level.lower(),
@@ -160,9 +160,7 @@ def worker(
         _require_metrics_dir()
         _check_backend(settings)
         shared = _share_data_dir(settings)  # what needs no Redis is checked before its wait
-        _wait_for_redis(settings)  # the checks after it read Redis: not answering passes them
-        _require_redis_database(settings)
-        _check_redis_config(settings)
+        _check_redis_at_start(settings, worker=True)
     count = 1 if supervised_by else resolve_processes(settings.worker_processes)
     if count > 1:
         args = ["--queues", queues]
@@ -212,18 +210,33 @@ def _require_redis(settings: Settings, what: str) -> None:
         )
 
 
-#: The pauses between a worker's tries of a Redis not answering yet: soon at first (pods
-#: starting together), then every few seconds for as long as it takes, as Celery's broker
+#: The pauses between a gateway's or worker's tries of a Redis not answering yet: soon at first
+#: (pods starting together), then every few seconds for as long as it takes, as Celery's broker
 START_WAIT_PAUSES = (0.5, 1.0, 2.0, 5.0)
 
 
+def _check_redis_at_start(settings: Settings, *, worker: bool) -> None:
+    """The start checks of the Redis a gateway or the workers (``worker``) run on, once it
+    answers (:func:`_wait_for_redis`): each check takes a Redis not answering for no refusal.
+    Both: its version, ``noeviction``, the AOF; the workers also its database and Pub/Sub
+    channels (a gateway answers a database Redis refuses with ``503`` naming the URL, and
+    subscribes to no channel)."""
+    _wait_for_redis(settings)
+    if worker:
+        _require_redis_database(settings)
+    _check_redis_config(settings, channels=worker)
+
+
 def _wait_for_redis(settings: Settings) -> None:
-    """Before a worker's start checks read its Redis, wait until it answers, saying so each
-    try and never giving up, as Celery waits for its broker. Each check takes a Redis not
-    answering for no refusal, so a worker started before its Redis (pods starting together, a
-    Redis restarting) skipped them all: on a user without Pub/Sub channels its processes died
-    and were restarted for good, on an evicting Redis it ran on. A Redis that answers at once
-    costs one ``PING``."""
+    """Before a gateway's or worker's start checks read its Redis, wait until it answers,
+    saying so each try and never giving up, as Celery waits for its broker. Each check takes a
+    Redis not answering for no refusal, so one started before its Redis (pods starting
+    together, a Redis restarting) skipped them all: on a user without Pub/Sub channels the
+    worker processes died and were restarted for good, and on an evicting Redis, or one older
+    than 7.0, the workers and the gateway ran on. A gateway serves nothing meanwhile, its
+    ``/healthz`` included, as a worker serves no ``/metrics``: an orchestrator's start-up
+    probe bounds the wait (deploy/README.md §2). A Redis that answers at once costs one
+    ``PING``."""
     from worker.redis_client import unanswered
 
     tries = 0
@@ -306,8 +319,8 @@ def _require_noeviction(info: dict[str, Any] | None) -> None:
     read 404) and a live worker's heartbeat, silently. With no ``maxmemory`` (0: no limit)
     Redis is never full and evicts nothing, so that policy is only warned of, once: it was
     refused as if it evicted. Read from ``INFO``'s ``info`` (memory); a user refused INFO is
-    warned of once and let start; a worker waits for a Redis not answering yet
-    (:func:`_wait_for_redis`), a gateway starts without the check."""
+    warned of once and let start; a gateway or worker waits for a Redis not answering yet
+    (:func:`_wait_for_redis`)."""
     from worker.redis_client import evicting_policy, has_memory_limit
 
     if not (policy := evicting_policy(info)):
