@@ -249,8 +249,9 @@ def _children(pid: int) -> list[tuple[int, str]]:
     return found
 
 
-def _worker_pid(stack: Stack) -> int:
-    pids = [pid for pid, command in _children(stack.proc.pid) if " worker " in command]
+def _worker_pid(stack: Stack, name: str = "worker") -> int:
+    """The pid of the stack's ``sift worker`` (or ``sift gateway``: ``name``)."""
+    pids = [pid for pid, command in _children(stack.proc.pid) if f" {name} " in command]
     assert len(pids) == 1, _children(stack.proc.pid)
     return pids[0]
 
@@ -691,11 +692,18 @@ def test_one_port_for_the_gateway_and_the_worker_metrics_is_a_usage_error(tmp_pa
 
 
 @pytest.mark.timeout(300)
-def test_a_worker_that_refuses_its_restart_stops_the_stack(tmp_path: Path) -> None:
-    """``sift up`` on an API keys file, broken once it runs: its worker killed (the OOM
-    killer, say) is started again and refuses the file (exit 2, one line naming it), which no
-    restart changes. ``sift up`` started it again after each back-off for as long as it ran;
-    it now stops the stack and exits 2 naming the refusal, no process left behind."""
+@pytest.mark.parametrize(
+    ("child", "named"),
+    [("worker", "SIFT_API_KEYS_FILE"), ("gateway", "maxmemory-policy allkeys-lru")],
+)
+def test_a_process_that_refuses_its_restart_stops_the_stack(
+    tmp_path: Path, child: str, named: str
+) -> None:
+    """``sift up`` on an API keys file broken once it runs (for its worker), or on its Redis
+    set to evict once it runs (for its gateway): the process killed (the OOM killer, say) is
+    started again and refuses to start (exit 2, one line naming what), which no restart
+    changes. ``sift up`` started it again after each back-off for as long as it ran; it now
+    stops the stack and exits 2 naming the refusal, no process left behind."""
     keys = tmp_path / "keys.json"
     secret = "whsec_YWNtZS1zZWNyZXQtMDEyMzQ1Njc4OQ=="
     keys.write_text(
@@ -712,13 +720,18 @@ def test_a_worker_that_refuses_its_restart_stops_the_stack(tmp_path: Path) -> No
     running = Stack(proc, out, data_dir, 0, 0, err)
     try:
         _wait_up_and_warm(running)
-        keys.write_text("[{")  # broken since the start
-        os.kill(_worker_pid(running), signal.SIGKILL)
+        if child == "worker":
+            keys.write_text("[{")  # broken since the start
+        else:  # the stack's own Redis, which has a maxmemory, set to evict
+            admin = redis_lib.Redis.from_url((data_dir / "redis-url").read_text().strip())
+            admin.config_set("maxmemory-policy", "allkeys-lru")
+            admin.close()
+        os.kill(_worker_pid(running, child), signal.SIGKILL)
         code = proc.wait(timeout=120)
     finally:
         stop(proc, timeout=60)
     _, said = running.said()
     assert code == 2, running.printed()
     assert said.count("restarting it in") == 1, said  # the killed one, once
-    assert "worker refused to start" in said and "SIFT_API_KEYS_FILE" in said, said
+    assert f"{child} refused to start" in said and named in said, said
     assert _session(proc.pid) == [], _session(proc.pid)  # every process stopped
