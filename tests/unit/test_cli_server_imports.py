@@ -1,12 +1,17 @@
 """What a ``sift`` command imports before it runs: not what another command alone needs.
 ``sift eval``'s ir-measures, numpy, the embedded backend and the in-process runtime were
-imported by every command, ``sift gateway`` included, at each start."""
+imported by every command, ``sift gateway`` included, at each start; and ``sift gateway`` and
+``sift worker`` imported every other command's module (the client commands' httpx, ...)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+
+import pytest
+
+from worker.cli import COMMAND_MODULES, app_for
 
 
 def _imported_after(code: str) -> set[str]:
@@ -22,6 +27,22 @@ def test_the_command_line_does_not_import_what_sift_eval_alone_needs() -> None:
     """Every command is registered (``sift --help`` lists them), but ``sift eval``'s own
     imports come when it runs."""
     loaded = _imported_after("from worker.cli import app")
-    assert {"worker.cli.evaluate", "worker.cli.service"} <= loaded
+    assert {f"worker.cli.{module}" for module in COMMAND_MODULES} <= loaded
     evaluation = {"ir_measures", "numpy", "apsw", "worker.evaluation.harness"}
     assert not loaded & evaluation, sorted(loaded & evaluation)
+    names = {info.name for info in app_for(["search"]).registered_commands}
+    assert {"gateway", "worker", "eval", "search", "status", "erase"} <= names
+
+
+# what neither server command uses at its start (the worker imports the embedded backend,
+# numpy and httpx itself, in its command, once its own checks pass)
+OTHER_COMMANDS = {"worker.cli.evaluate", "worker.cli.client", "worker.cli.status", "ir_measures"}
+NOT_SERVING = {"numpy", "apsw", "httpx", "worker.adapters.embedded"}  # the gateway's
+
+
+@pytest.mark.parametrize("command", ["gateway", "worker"])
+def test_a_server_command_imports_its_own_module_only(command: str) -> None:
+    loaded = _imported_after(f"from worker.cli import app_for\napp_for([{command!r}, '--help'])")
+    assert "worker.cli.service" in loaded
+    unwanted = OTHER_COMMANDS | (NOT_SERVING if command == "gateway" else set())
+    assert not loaded & unwanted, sorted(loaded & unwanted)

@@ -1,5 +1,7 @@
 """``python -m worker.cli``: the ``sift`` command without the console script."""
 
-from worker.cli import app
+import sys
 
-app()
+from worker.cli import app_for
+
+app_for(sys.argv[1:])()

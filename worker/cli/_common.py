@@ -12,7 +12,6 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
-from worker.cli._http import GatewayError
 from worker.cli._output import cli_console, plain
 from worker.errors import SiftError, validation_message
 
@@ -117,6 +116,8 @@ def _err() -> Console:
 @contextmanager
 def _expected_errors() -> Iterator[None]:
     """Turn expected failures into one red line on stderr and exit code 1."""
+    from worker.cli._http import GatewayError  # httpx: the client commands', not `sift gateway`'s
+
     try:
         yield
     except (GatewayError, InputError) as exc:

@@ -85,7 +85,7 @@ def eval_command(
     served index (--index) or of a batch's results (--results)."""
     # here, not at the module's top: every other `sift` command imports this module too, and
     # these (ir-measures, numpy, the embedded backend, the in-process runtime) cost each one
-    # about 0.1 CPU-s of its start (`sift search --help`: 0.64 CPU-s, 0.53 without)
+    # about 0.2 CPU-s of its start (`sift search --help`: 0.70 CPU-s, 0.50 without)
     from worker.cli._eval_sources import (
         _in_process,
         _print_report,

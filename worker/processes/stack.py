@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-import httpx
 import redis
 
 from worker.errors import ConfigError
@@ -480,7 +479,12 @@ def gateway_service(
     port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     command = sift_command("gateway", "--host", "127.0.0.1", "--port", str(port))
-    ready = lambda: httpx.get(url + "/readyz", timeout=1).status_code == 200  # noqa: E731
+
+    def ready() -> bool:
+        import httpx  # here: `sift gateway` and `sift worker` import this module, and need none
+
+        return httpx.get(url + "/readyz", timeout=1).status_code == 200
+
     return Service(name, command, directory / f"{name}.log", env, ready=ready, port=port), url
 
 
