@@ -29,6 +29,7 @@ from worker.processes.stack import (
     gateway_process,
     gateway_service,
     redis_server,
+    sift_command,
     stop,
     wait_until,
     worker_service,
@@ -190,11 +191,17 @@ def test_a_database_redis_does_not_have_is_one_line_naming_it(
 
 
 def _late_service(kind: str, tmp_path: Path, env: dict[str, str]) -> Service:
-    """``sift worker`` (its default processes) or ``sift gateway`` on ``env``, not started
-    yet: each is to start before its Redis answers."""
+    """``sift worker`` (its default processes), ``sift gateway`` or ``sift up`` (its Redis
+    ``SIFT_REDIS_URL``'s) on ``env``, not started yet: each is to start before its Redis
+    answers."""
+    env = child_env(env, inherit_sift=False)
     if kind == "worker":
-        return worker_service(tmp_path / "w", child_env(env, inherit_sift=False), processes=None)
-    service, _ = gateway_service(tmp_path / "g", child_env(env, inherit_sift=False))
+        return worker_service(tmp_path / "w", env, processes=None)
+    if kind == "up":
+        up = sift_command("up", "--port", str(free_port()), "--metrics-port", "0",
+                          "--data-dir", str(tmp_path / "up"))  # fmt: skip
+        return Service("sift up", up, tmp_path / "up.log", env)
+    service, _ = gateway_service(tmp_path / "g", env)
     return service
 
 
@@ -418,20 +425,23 @@ _EVICTING = ("maxmemory-policy", "allkeys-lru")
         pytest.param("worker", _CHANNELS, _EVICTING, "maxmemory-policy", id="evicting"),
         pytest.param("gateway", _CHANNELS, _EVICTING, "maxmemory-policy", id="gateway-evicting"),
         pytest.param("gateway", _CHANNELS, None, "Redis 6.", id="gateway-redis-6"),
+        pytest.param("up", _CHANNELS, _EVICTING, "maxmemory-policy", id="up-evicting"),
     ],
 )
 def test_a_redis_that_answers_late_gets_the_same_start_checks(
     tmp_path: Path, kind: str, user: list[str], config: tuple[str, str] | None, named: str
 ) -> None:
-    """``sift worker`` (its default processes) or ``sift gateway`` started before its Redis
-    answers (pods starting together, a Redis restarting), which then comes up with a user
-    without Pub/Sub channels, evicting, or older than 7.0 (``config`` None: a proxy that says
-    6.): the start checks took "not answering" for no refusal and let it start, and never
-    looked again; each worker process died on Celery's ``PSUBSCRIBE`` and was restarted for
-    good (the evicting Redis ran on), and the gateway served on an evicting Redis or one
-    whose scripts it cannot load. Each now waits for Redis to answer, as Celery waits for its
-    broker, then stops as on a Redis up at the start: one line, exit 2. The user is made after
-    Redis is up: the tries meanwhile are refused its password, which is waited out too."""
+    """``sift worker`` (its default processes), ``sift gateway`` or ``sift up`` on a
+    ``SIFT_REDIS_URL`` started before its Redis answers (pods starting together, a Redis
+    restarting), which then comes up with a user without Pub/Sub channels, evicting, or older
+    than 7.0 (``config`` None: a proxy that says 6.): the start checks took "not answering"
+    for no refusal and let it start, and never looked again; each worker process died on
+    Celery's ``PSUBSCRIBE`` and was restarted for good (the evicting Redis ran on), the
+    gateway served on an evicting Redis or one whose scripts it cannot load, and ``sift up``
+    started its worker, which waited, then refused (exit 1: "worker exited early"). Each now
+    waits for Redis to answer, as Celery waits for its broker, then stops as on a Redis up
+    at the start: one line, exit 2. The user is made after Redis is up: the tries meanwhile
+    are refused its password, which is waited out too."""
     port = free_port()
     with contextlib.ExitStack() as stack:
         target = port

@@ -216,11 +216,11 @@ START_WAIT_PAUSES = (0.5, 1.0, 2.0, 5.0)
 
 
 def _check_redis_at_start(settings: Settings, *, worker: bool) -> None:
-    """The start checks of the Redis a gateway or the workers (``worker``) run on, once it
-    answers (:func:`_wait_for_redis`): each check takes a Redis not answering for no refusal.
-    Both: its version, ``noeviction``, the AOF; the workers also its database and Pub/Sub
-    channels (a gateway answers a database Redis refuses with ``503`` naming the URL, and
-    subscribes to no channel)."""
+    """The start checks of the Redis a gateway or the workers (``worker``: ``sift worker``,
+    ``sift up`` on ``SIFT_REDIS_URL``) run on, once it answers (:func:`_wait_for_redis`): each
+    check takes a Redis not answering for no refusal. Both: its version, ``noeviction``, the
+    AOF; the workers also its database and Pub/Sub channels (a gateway answers a database
+    Redis refuses with ``503`` naming the URL, and subscribes to no channel)."""
     _wait_for_redis(settings)
     if worker:
         _require_redis_database(settings)
@@ -821,8 +821,9 @@ def up(
             f"--port (SIFT_GATEWAY_PORT) and --metrics-port (SIFT_WORKER_METRICS_PORT) are "
             f"both {settings.gateway_port}: the gateway and the worker's /metrics need one each"
         )
-    _require_redis_database(settings)  # a Redis of its own choosing; sift up's own has db 0
-    _check_redis_config(settings)  # the same: sift up's own has every channel, noeviction, AOF
+    # a Redis of its own choosing, waited for as its worker would; sift up's own (no
+    # SIFT_REDIS_URL) has db 0, every channel, noeviction and the AOF: nothing to check
+    _check_redis_at_start(settings, worker=True)
     stopping = threading.Event()
     started: LocalStack | None = None
     refused: list[Service] = []  # a process that refused to start: the stack stops, exit 2
