@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -226,6 +227,29 @@ def test_it_waits_for_a_redis_not_up_yet(tmp_path: Path, kind: str) -> None:
             assert proc.poll() is None
     finally:
         stop(proc, service.stop_timeout)
+
+
+@pytest.mark.parametrize("kind", ["worker", "gateway", "up"])
+def test_a_ctrl_c_while_it_waits_for_redis_says_so(tmp_path: Path, kind: str) -> None:
+    """Ctrl-C while ``sift worker``, ``sift gateway`` or ``sift up`` waits for its Redis:
+    nothing was started yet, and one line says so, exit 130 (it ended with no word: ``sift
+    up``'s own Ctrl-C line, "interrupted while starting", comes once it starts processes)."""
+    env = {"SIFT_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0", "COLUMNS": "200"}
+    env.update(SIFT_WORKER_METRICS_PORT="0", SIFT_DATA_DIR=str(tmp_path / "data"))
+    service = _late_service(kind, tmp_path, env)
+    assert service.log is not None
+    log = service.log
+    proc = service.start()
+    try:
+        wait_until(lambda: b"waiting: cannot connect" in log.read_bytes(), kind, proc, log)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(30)
+    finally:
+        stop(proc, service.stop_timeout)
+    said = log.read_text(errors="replace")
+    assert code == 130, said[-3000:]
+    assert "interrupted while waiting for Redis; nothing was started" in said, said[-3000:]
+    assert "Traceback" not in said, said[-3000:]
 
 
 @pytest.mark.parametrize("policy", ["allkeys-lru", "volatile-lru"])

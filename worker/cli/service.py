@@ -235,20 +235,25 @@ def _wait_for_redis(settings: Settings) -> None:
     worker processes died and were restarted for good, and on an evicting Redis, or one older
     than 7.0, the workers and the gateway ran on. A gateway serves nothing meanwhile, its
     ``/healthz`` included, as a worker serves no ``/metrics``: an orchestrator's start-up
-    probe bounds the wait (deploy/README.md §2). A Redis that answers at once costs one
-    ``PING``."""
+    probe bounds the wait (deploy/README.md §2). A Ctrl-C meanwhile stops it with one line,
+    exit 130: nothing has been started (it ended with no word). A Redis that answers at once
+    costs one ``PING``."""
     from worker.redis_client import unanswered
 
     tries = 0
-    while settings.redis_url and (why := unanswered(settings.redis_url)):
-        pause = START_WAIT_PAUSES[min(tries, len(START_WAIT_PAUSES) - 1)]
-        errors.print(
-            f"[yellow]waiting:[/yellow] cannot connect to the Redis of SIFT_REDIS_URL "
-            f"({plain(why)}); the start checks need it: trying again in {pause:g} s",
-            soft_wrap=True,
-        )
-        time.sleep(pause)
-        tries += 1
+    try:
+        while settings.redis_url and (why := unanswered(settings.redis_url)):
+            pause = START_WAIT_PAUSES[min(tries, len(START_WAIT_PAUSES) - 1)]
+            errors.print(
+                f"[yellow]waiting:[/yellow] cannot connect to the Redis of SIFT_REDIS_URL "
+                f"({plain(why)}); the start checks need it: trying again in {pause:g} s",
+                soft_wrap=True,
+            )
+            time.sleep(pause)
+            tries += 1
+    except KeyboardInterrupt:
+        errors.print("interrupted while waiting for Redis; nothing was started")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
 
 
 def _require_redis_database(settings: Settings) -> None:
