@@ -416,10 +416,14 @@ def test_sigterm_at_a_full_redis_keeps_the_calls_of_the_item_it_hands_back(
 ) -> None:
     """The same stop during a 429's ``retry-after``, Redis at its ``maxmemory`` meanwhile
     (``noeviction``): the refused call is kept with the item's claim all the same, and shown
-    in the item's usage once the next worker finishes it (the re-drive sends it again once
-    Redis has room), beside its own. Before, Redis refused to keep it and the item went back
-    as though it had been kept, its claim let go without it: the next run's usage showed one
-    request of the two the model was sent."""
+    in the item's usage once the next worker finishes it, beside its own. Before, Redis
+    refused to keep it and the item went back as though it had been kept, its claim let go
+    without it: the next run's usage showed one request of the two the model was sent. The
+    chunk's message goes back on its queue there too, the worker exiting cleanly, and the
+    next worker takes it at once. Before, Redis refused the hand-back's writes (its delivery
+    counter, then kombu's requeue in a ``MULTI``): the chunk's task failed ("raised
+    unexpected: OutOfMemoryError"), its message was acked, and the item waited for the
+    re-drive (about 2.5 minutes here)."""
     soft_shutdown = Settings(_env_file=None).worker_soft_shutdown_seconds  # type: ignore[call-arg]
     with (
         FakeAnthropic(delay=MODEL_SECONDS) as model,
@@ -436,12 +440,16 @@ def test_sigterm_at_a_full_redis_keeps_the_calls_of_the_item_it_hands_back(
             r.config_set("maxmemory", int(r.info("memory")["used_memory"]) // 2)
             try:
                 worker_a.send_signal(signal.SIGTERM)
-                worker_a.wait(3 * soft_shutdown)
+                code = worker_a.wait(3 * soft_shutdown)
                 assert _refused_for_oom(r) > refused  # Redis did refuse the stop's writes
+                state = broker_state(url)  # read while Redis is still full
             finally:
                 r.config_set("maxmemory", 0)  # room again
         log = (tmp_path / "w" / "a.log").read_text(errors="replace")
         assert "1 items handed back" in log, log[-3000:]
+        assert "raised unexpected" not in log and code == 0, (code, log[-3000:])
+        # the chunk's message is back on its queue, for the next worker to take at once
+        assert state[BATCH_QUEUE] == 1 and state[KOMBU_UNACKED_KEY] == 0, state
         assert model.counts()["received"] == 1  # the retry was not sent by the stopping worker
         with worker(tmp_path / "w", env, "b"):
             wait_finished(client, url, batch_id, FINISH_TIMEOUT)

@@ -114,6 +114,31 @@ def refusing_misconf(
     return Connection
 
 
+# Put a message handed back unrun back on its queues (QoS._requeue), each at the end BRPOP
+# takes from: only while unacked holds the entry as it was read (ARGV[2], '' : none), else
+# nothing (an ack or another restore took it meanwhile: the caller reads again). KEYS: the
+# unacked hash, its index, then the lists. ARGV: the delivery tag, the entry read, then what
+# each list gets. Returns 1 when done. Flagged allow-oom: it moves a message from unacked to
+# its queue, or back to where BRPOP took it, adding nothing. In kombu's MULTI, Redis at its
+# maxmemory (noeviction) refused it: a stopping worker's hand-back failed, and the chunk's
+# items not started waited for the re-drive.
+REQUEUE_SCRIPT = """#!lua flags=allow-oom
+if (redis.call('HGET', KEYS[1], ARGV[1]) or '') ~= ARGV[2] then return 0 end
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[1], ARGV[1])
+for i = 3, #KEYS do redis.call('RPUSH', KEYS[i], ARGV[i]) end
+return 1
+"""
+
+
+class _Pushes(list[tuple[str, str]]):
+    """Stands in for the pipeline kombu's restore pushes a message on: the (list, message)
+    pushes it makes, for :data:`REQUEUE_SCRIPT` to make."""
+
+    def rpush(self, key: str, body: str) -> None:
+        self.append((key, body))
+
+
 class QoS(kombu_redis.QoS):
     """kombu's Redis acks, a message handed back put where ``BRPOP`` takes the next one.
 
@@ -185,25 +210,36 @@ class QoS(kombu_redis.QoS):
         self, tag: str, in_hand: tuple[dict[str, Any], list[str]] | None, client: Any = None
     ) -> None:
         """kombu's ``restore_by_tag``; from ``in_hand`` (the message and its queues, as the
-        close or its taking found them) when ``unacked`` has none."""
-
-        def transaction(pipe: Any) -> None:
-            raw = pipe.hget(self.unacked_key, tag)
-            pipe.multi()
-            self._remove_from_indices(tag, pipe)  # type: ignore[no-untyped-call]
-            if raw:
-                payload, exchange, routing_key = loads(bytes_to_str(raw))  # type: ignore[no-untyped-call]
-                self.channel._do_restore_message(payload, exchange, routing_key, pipe, False)
-            elif in_hand is not None:  # the channel is closed: its exchanges are looked up no more
-                payload, queues = in_hand
-                with contextlib.suppress(KeyError):
-                    payload["headers"]["redelivered"] = True
-                priority = self.channel._get_message_priority(payload, reverse=False)
-                for queue in queues:
-                    pipe.rpush(self.channel._q_for_pri(queue, priority), dumps(payload))  # type: ignore[no-untyped-call]
-
+        close or its taking found them) when ``unacked`` has none. One script
+        (:data:`REQUEUE_SCRIPT`), which a Redis at its ``maxmemory`` runs too, where kombu's
+        ``MULTI`` is refused; read again when ``unacked`` changed meanwhile, as kombu's
+        ``WATCH`` had it."""
         with self.channel.conn_or_acquire(client) as client:
-            client.transaction(transaction, self.unacked_key)
+            requeue = client.register_script(REQUEUE_SCRIPT)
+            while True:
+                raw = client.hget(self.unacked_key, tag)
+                pushes = self._pushes(raw, in_hand)
+                keys = [self.unacked_key, self.unacked_index_key, *(key for key, _ in pushes)]
+                if requeue(keys=keys, args=[tag, raw or "", *(body for _, body in pushes)]):
+                    return
+
+    def _pushes(
+        self, raw: bytes | None, in_hand: tuple[dict[str, Any], list[str]] | None
+    ) -> _Pushes:
+        """The lists a message handed back goes to, and what is pushed there: the one
+        ``unacked`` holds (``raw``) routed as kombu's restore does, else the one in hand."""
+        pushes = _Pushes()
+        if raw:
+            payload, exchange, routing_key = loads(bytes_to_str(raw))  # type: ignore[no-untyped-call]
+            self.channel._do_restore_message(payload, exchange, routing_key, pushes, False)
+        elif in_hand is not None:  # the channel is closed: its exchanges are looked up no more
+            payload, queues = in_hand
+            with contextlib.suppress(KeyError):
+                payload["headers"]["redelivered"] = True
+            priority = self.channel._get_message_priority(payload, reverse=False)
+            for queue in queues:
+                pushes.rpush(self.channel._q_for_pri(queue, priority), dumps(payload))  # type: ignore[no-untyped-call]
+        return pushes
 
     def restore_unacked(self, client: Any = None) -> None:
         """Every message this channel holds back on its queue, the first taken pushed last:

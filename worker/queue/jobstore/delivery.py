@@ -88,8 +88,11 @@ class DeliveryRecords(_StoreCore):
 
     def set_deliveries(self, task_id: str, retry: int, count: int) -> None:
         """Start a message's delivery counter at ``count`` (a re-drive past its cap is sent
-        already spent, so the task takes its poison path)."""
-        self.redis.set(_attempts_key(task_id, retry), count, ex=ATTEMPTS_TTL_SECONDS)
+        already spent, so the task takes its poison path; a stopping worker's hand-back leaves
+        its delivery uncounted), on a Redis at its ``maxmemory`` too
+        (:data:`~worker.queue.jobstore.scripts._SET_DELIVERIES`)."""
+        keys = [_attempts_key(task_id, retry)]
+        self._set_deliveries(keys=keys, args=[str(count), str(ATTEMPTS_TTL_SECONDS)])
 
     def in_flight(self) -> dict[str, int]:
         """Searches and batch items queued and running now, across the deployment."""

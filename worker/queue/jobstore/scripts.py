@@ -1035,6 +1035,16 @@ return count
 """
 
 
+# Start a message's delivery counter at ARGV[1] (DeliveryRecords.set_deliveries), with its TTL
+# (ARGV[2] seconds). KEYS: the counter. Flagged allow-oom: it replaces a counter of a few bytes
+# that the delivery's count wrote already, and a stopping worker's hand-back writes it before
+# it puts its message back: a plain SET, refused at Redis's maxmemory (noeviction), failed the
+# chunk's task instead, and its items not started waited for the re-drive.
+_SET_DELIVERIES = """#!lua flags=allow-oom
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+return 1
+"""
+
 # KEYS: webhooks owed, then hashes. ARGV: job ids. Returns each hash's fields and values (a
 # flat list, empty if none), then each job's score in the webhooks owed (false if none): one
 # snapshot, so a read between the settle script's two writes (the record's how it ended, the

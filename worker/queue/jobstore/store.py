@@ -80,6 +80,7 @@ from worker.queue.jobstore.scripts import (
     _RELEASE_IDEMPOTENCY,
     _RELEASE_RUN,
     _SAVE_PREPARED,
+    _SET_DELIVERIES,
     _TAKE_CANCEL_COUNT,
     _TAKE_REFUSED,
     _TRANSITION_ITEM,
@@ -192,6 +193,7 @@ class _StoreCore:
         self._count_redrives = client.register_script(_COUNT_REDRIVES)
         self._note_outage = client.register_script(_NOTE_OUTAGE)
         self._count_delivery = client.register_script(_COUNT_DELIVERY)
+        self._set_deliveries = client.register_script(_SET_DELIVERIES)
         self._take_cancel_count = client.register_script(_TAKE_CANCEL_COUNT)
         self._webhook_due = client.register_script(_WEBHOOK_DUE)
         self._webhook_settled = client.register_script(_WEBHOOK_SETTLED)
