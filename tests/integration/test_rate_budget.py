@@ -1488,6 +1488,40 @@ def test_a_call_granted_with_a_wait_waits_out_a_pause_begun_meanwhile(
     assert result.trace["attempts"][0]["budget_wait_seconds"] == pytest.approx(wait + held)
 
 
+def test_a_call_granted_with_a_wait_is_not_sent_into_a_breaker_opened_meanwhile(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    """A call granted with a wait looks at the breaker again before it is sent: a 5xx
+    another process met meanwhile opened it (for 3 s), so the call gives its grant back
+    unsent and waits as every other call does, then goes as the probe once the opening is
+    over. Before, it looked at the 429's pause alone and went out into the outage at the
+    end of its wait (about a second), while every other process held back."""
+    clock = FakeClock()
+    other = RedisRateBudget(client, MODEL, RateLimit(rpm=60))
+    ends: list[float] = []  # each of the search's waits' end, on Redis's clock
+    opened: list[float] = []  # the instant the opening ends, on Redis's clock
+
+    def sleep(wait: float) -> None:  # real: the budget's waits are on Redis's clock
+        if not clock.sleeps:
+            other.trip(3.0)  # during the wait for the bucket
+            opened.append(float(client.hget(other.key, "open") or 0))
+        clock.sleep(wait)
+        time.sleep(wait)
+        ends.append(redis_now(client))
+
+    pipeline, budget = build(
+        fake, client, "fail_closed", RateLimit(rpm=60), RecordingRecorder(), deadline=120.0,
+        clock=clock, sleep=sleep,
+    )  # fmt: skip
+    exhaust(budget)  # the next request frees in about a second
+    result = search(pipeline)
+    assert result.rerank.applied and len(fake.requests()) == 1
+    assert ends[-1] >= opened[0] > 0  # sent after its last wait: once the opening was over
+    assert 0 < clock.sleeps[0] <= 1.0 + 1e-6 and len(clock.sleeps) >= 2
+    assert result.trace["attempts"][0]["budget_wait_seconds"] == pytest.approx(sum(clock.sleeps))
+    assert not client.hget(budget.key, "strikes")  # the probe answered: closed
+
+
 def test_a_pause_begun_during_the_wait_past_the_deadline_sends_nothing(
     fake: fa.FakeAnthropic, client: redis.Redis
 ) -> None:

@@ -262,6 +262,11 @@ class RateBudget(Protocol):
         """Seconds left of a 429's pause on every process (0: none)."""
         ...
 
+    def breaker_shut(self, grant: BudgetGrant) -> bool:
+        """Whether the breaker holds back ``grant``'s call, admitted before: a 5xx opened it
+        since, or it is not closed and the grant is not its probe (the probe goes alone)."""
+        ...
+
     def trip(self, retry_after: float | None) -> None:
         """The provider answered 5xx (529 overloaded included): no call from any process for
         a while, then one alone until an answer that is not a 5xx (the breaker)."""

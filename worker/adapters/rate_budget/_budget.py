@@ -556,6 +556,20 @@ class RedisRateBudget:
         pause, (seconds, micros) = pipe.execute()
         return max(0.0, float(pause or 0) - (float(seconds) + float(micros) / 1e6))
 
+    def breaker_shut(self, grant: BudgetGrant) -> bool:
+        """Whether the breaker holds back ``grant``'s call, admitted with a wait (Redis's
+        clock; one round trip, nothing written): a 5xx another process met during the wait
+        opened it, or it is not closed and the grant is not its probe (the probe goes alone).
+        The call looks before it is sent: sent, it went into the outage every other process
+        was holding back from."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hmget(self.key, ["strikes", "open"])
+        pipe.time()
+        (strikes, opened), (seconds, micros) = pipe.execute()
+        if not int(strikes or 0):
+            return False  # closed
+        return not grant.probe or float(opened or 0) > float(seconds) + float(micros) / 1e6
+
     def unanswered(self) -> None:
         """A call got no answer (a timeout, a connection lost or never made): if it was the
         breaker's probe, the next call may probe now, not once its lease ran out. Nothing to

@@ -250,20 +250,52 @@ class ModelCalls:
         the budget frees it too late for the call to fit in the search's deadline (twice the
         answered calls' average time), nothing is reserved and nothing sent: the attempt is
         ``budget_exhausted``, which the failure policy takes from there. A call sent with
-        less time than it takes would be charged by the provider and time out. While the
-        provider fails (the budget's breaker: a 5xx opened it, or its one probe is out), the
-        attempt waits and asks again, as long as the deadline allows: it sends nothing, so
-        it spends none of the retry budget on a provider that is down (``check`` runs after
-        each such wait)."""
+        less time than it takes would be charged by the provider and time out. A call
+        granted with a wait looks again before it is sent: a 429 another process met
+        meanwhile pauses it too (sent now, it would meet the provider's 429 itself), and a
+        breaker a 5xx opened meanwhile has it give its grant back unsent and wait as the
+        others do (sent now, it went into the outage, or beside the breaker's probe)."""
+        budget = self.rate_budget
+        assert budget is not None
+        waited = 0.0
+        while True:
+            grant, waited = self._reserve(prompt, run, deadline, check, waited)
+            if grant.wait <= 0:
+                return grant, waited
+            self._wait_reserved(grant, grant.wait, run, check)
+            held = budget.paused_for()
+            if held > max(0.0, deadline.remaining() - self.call_time.needed()):
+                budget.settle(grant, TokenUsage(), sent=False, closes=False)
+                self._exhausted(run, deadline, waited + held, f"a 429's pause ends in {held:.1f}s")
+            if held > 0:
+                self._wait_reserved(grant, held, run, check)
+                waited += held
+            if not budget.breaker_shut(grant):
+                return grant, waited
+            budget.settle(grant, TokenUsage(), sent=False, closes=False)
+
+    def _reserve(
+        self,
+        prompt: RerankPrompt,
+        run: RerankRun,
+        deadline: Deadline,
+        check: BeforeModel | None,
+        waited: float,
+    ) -> tuple[BudgetGrant, float]:
+        """Reserve the attempt's share (``waited``: the seconds waited for it so far); answers
+        the grant, admitted, and the seconds waited once its wait is over. While the provider
+        fails (the budget's breaker: a 5xx opened it, or its one probe is out), the attempt
+        waits and asks again, as long as the deadline allows: it sends nothing, so it spends
+        none of the retry budget on a provider that is down (``check`` runs after each such
+        wait)."""
         assert self.rate_budget is not None
-        shut = 0.0  # waited while the provider failed
         while True:
             max_wait = max(0.0, deadline.remaining() - self.call_time.needed())
             grant = self.rate_budget.reserve(prompt, max_wait)
             if grant.admitted or not grant.shut or grant.wait > max_wait:
                 break
             self._wait(grant.wait, run, check)
-            shut += grant.wait
+            waited += grant.wait
             if check is not None:
                 check(_billed(run))
         if not grant.admitted:
@@ -272,20 +304,8 @@ class ModelCalls:
                 if grant.shut
                 else "the provider's rate budget frees this call"
             )
-            self._exhausted(run, deadline, shut + grant.wait, f"{what} in {grant.wait:.1f}s")
-        waited = shut + grant.wait
-        if grant.wait > 0:
-            self._wait_reserved(grant, grant.wait, run, check)
-            # a 429 another process met meanwhile pauses this call too: sent now, it would
-            # meet the provider's 429 itself
-            held = self.rate_budget.paused_for()
-            if held > max(0.0, deadline.remaining() - self.call_time.needed()):
-                self.rate_budget.settle(grant, TokenUsage(), sent=False, closes=False)
-                self._exhausted(run, deadline, waited + held, f"a 429's pause ends in {held:.1f}s")
-            if held > 0:
-                self._wait_reserved(grant, held, run, check)
-                waited += held
-        return grant, waited
+            self._exhausted(run, deadline, waited + grant.wait, f"{what} in {grant.wait:.1f}s")
+        return grant, waited + grant.wait
 
     def _wait_reserved(
         self, grant: BudgetGrant, seconds: float, run: RerankRun, check: BeforeModel | None
