@@ -1318,9 +1318,10 @@ def test_a_probe_that_got_no_answer_lets_the_next_probe_go_at_once(client: redis
     one, other = RedisRateBudget(client, MODEL), RedisRateBudget(client, MODEL)
     one.trip(None)
     _half_open(client, one.key)
-    assert one.reserve(PROMPT, 30.0).admitted  # the probe
+    probe = one.reserve(PROMPT, 30.0)
+    assert probe.admitted  # the probe
     assert other.reserve(PROMPT, 30.0).shut
-    one.unanswered()
+    one.unanswered(probe)
     assert other.reserve(PROMPT, 30.0).admitted  # the next probe
 
 
@@ -1360,6 +1361,35 @@ def test_a_probe_given_back_unsent_lets_the_next_probe_go_at_once(
     other = RedisRateBudget(client, MODEL, RateLimit(rpm=rpm))
     following = other.reserve(PROMPT, 60.0)
     assert following.admitted and following.probe  # the next probe, not held 20 s
+
+
+@pytest.mark.parametrize("gone", ["given back unsent", "unanswered"])
+def test_a_probe_that_ends_ends_its_own_probe_not_the_next_one(
+    client: redis.Redis, gone: str
+) -> None:
+    """A 429 ends the breaker's probe (the next goes once its pause is over) while that
+    probe's call still holds its grant; another process's call is then admitted as the next
+    probe. The first call, looking at the breaker at the end of a wait, is held back, and
+    given back unsent (its item canceled, its worker stopping) or getting no answer, ends
+    its own probe only: the second stays the one probe out, and a third call is held back.
+    Before, the first was sent beside the second, and its end ended whichever probe was out:
+    two probes were out at once."""
+    one, other, third = (RedisRateBudget(client, MODEL, RateLimit(rpm=6000)) for _ in range(3))
+    one.trip(None)
+    _half_open(client, one.key)
+    first = one.reserve(PROMPT, 30.0)
+    assert first.admitted and first.probe
+    other.pause(0.01)  # a 429 (met by any call): the probe ends, the next goes after it
+    second = other.reserve(PROMPT, 30.0)
+    assert second.admitted and second.probe  # the next probe
+    # the first, granted with a wait, looks before it is sent: held back, the second goes
+    assert one.breaker_shut(first) and not other.breaker_shut(second)
+    if gone == "unanswered":
+        one.unanswered(first)
+    else:
+        one.settle(first, TokenUsage(), sent=False, closes=False)
+    held = third.reserve(PROMPT, 30.0)
+    assert not held.admitted and held.shut  # the second probe is still the one out
 
 
 def test_learned_limits_are_stored_again_after_the_shared_hash_is_gone(
@@ -1410,9 +1440,10 @@ def test_a_probe_timing_out_in_a_process_that_did_not_trip_lets_the_next_go_at_o
     probing = RedisRateBudget(client, MODEL, RateLimit(rpm=6000))
     tripping.trip(None)
     _half_open(client, tripping.key)
-    assert probing.reserve(PROMPT, 30.0).admitted  # the probe
+    probe = probing.reserve(PROMPT, 30.0)
+    assert probe.admitted  # the probe
     assert tripping.reserve(PROMPT, 30.0).shut
-    probing.unanswered()
+    probing.unanswered(probe)
     assert tripping.reserve(PROMPT, 30.0).admitted  # the next probe
 
 

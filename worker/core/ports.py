@@ -272,8 +272,9 @@ class RateBudget(Protocol):
         a while, then one alone until an answer that is not a 5xx (the breaker)."""
         ...
 
-    def unanswered(self) -> None:
-        """A call got no answer (a timeout, a connection lost): a probe's ends."""
+    def unanswered(self, grant: BudgetGrant) -> None:
+        """``grant``'s call got no answer (a timeout, a connection lost): if it is the
+        breaker's probe still out, it ends."""
         ...
 
     def answered(self) -> None:

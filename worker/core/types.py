@@ -163,8 +163,9 @@ class BudgetGrant:
     ``raw_input`` the uncorrected estimate, which the settlement calibrates against.
     ``shut``: not admitted because the provider is failing (a 5xx opened the budget's
     breaker, or its one probe call is out): ask again in ``wait`` seconds.
-    ``probe``: admitted as the breaker's one probe (half open); given back unsent, it lets
-    the next call probe at once.
+    ``probe``: admitted as the breaker's one probe (half open), the id its probe mark holds
+    ('' : not the probe); given back unsent, or getting no answer, it lets the next call
+    probe at once, and only while that mark is still its own.
     """
 
     admitted: bool
@@ -173,4 +174,4 @@ class BudgetGrant:
     output_tokens: int = 0
     raw_input: float = 0.0
     shut: bool = False
-    probe: bool = False
+    probe: str = ""

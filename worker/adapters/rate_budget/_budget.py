@@ -85,13 +85,18 @@ OUTAGE_BACKLOG_SECONDS = 86_400.0
 # provider's spare (1 - burst) share, when Sift's believes it holds more; never raises it.
 # ARGV 21: 1 when a call was answered 5xx (it opens the breaker, strikes + 1), 22 that answer's
 # retry-after (0: none), 23: 1 when a call was answered otherwise (it closes the breaker), 2
-# when a call got no answer (a timeout, a connection lost: the probe out, if any, ends), 24-27
+# when a call got no answer (a timeout, a connection lost: its probe, if it is the one out,
+# ends: ARGV 29), 24-27
 # the probe's lease, the first and the longest opening, and how soon a caller asks again while
 # a probe is out (OUTAGE_*, PROBE_*). A reservation while the breaker is open, or a probe is out,
 # is refused; one when it is half open (no probe out) is admitted as the probe. ARGV 28: 1 when
 # the learned limits (9-11) are only to be stored where the hash holds none (a reservation
 # restoring what its process learned, after the hash expired or Redis lost it), 0 when they
-# are what an answer stated now (stored over any other).
+# are what an answer stated now (stored over any other). ARGV 29: a reservation's probe id,
+# which the probe mark holds ('prober') when it is admitted as the probe; with ARGV 23 = 2, the
+# probe a call that got no answer ends: only while the mark is still that one (a 429's pause
+# ended it, and another's probe is out since: that one stays); '' ends whichever is out (a
+# 429's pause).
 # Answers {admitted (1/0), seconds to wait, the backlog, 1 when the breaker refused it or,
 # admitted, when it is the probe} (strings: Lua numbers come back from Redis as integers). The
 # backlog is the reading a batch paces on: the seconds until a call like this one fits once it
@@ -105,7 +110,7 @@ local key = KEYS[1]
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
 local state = redis.call('HMGET', key, 'r', 'i', 'o', 'Lr', 'Li', 'Lo', 'at', 'pause', 'strikes',
-                         'open', 'probe')
+                         'open', 'probe', 'prober')
 local names = {'r', 'i', 'o'}
 local at = tonumber(state[7]) or now
 local pause = tonumber(state[8]) or 0
@@ -119,8 +124,9 @@ local open = tonumber(state[10]) or 0
 local probe = tonumber(state[11]) or 0
 if tonumber(ARGV[23]) == 1 and strikes > 0 then  -- an answer: the provider is back
   strikes, open, probe = 0, 0, 0
-  redis.call('HDEL', key, 'strikes', 'open', 'probe')
-elseif tonumber(ARGV[23]) == 2 and probe > 0 then  -- no answer (a probe's?): the next may go
+  redis.call('HDEL', key, 'strikes', 'open', 'probe', 'prober')
+elseif tonumber(ARGV[23]) == 2 and probe > 0 and (ARGV[29] == '' or ARGV[29] == state[12]) then
+  -- the probe got no answer (or was never sent): the next may go
   probe = 0
   redis.call('HSET', key, 'probe', 0)
 end
@@ -234,6 +240,7 @@ local probing = 0
 if max_wait >= 0 and strikes > 0 then  -- half open: this call is the probe
   probing = 1
   table.insert(writes, 'probe'); table.insert(writes, num(now + tonumber(ARGV[24])))
+  table.insert(writes, 'prober'); table.insert(writes, ARGV[29])
 end
 for d = 1, 3 do
   if levels[d] ~= nil then
@@ -343,13 +350,16 @@ class RedisRateBudget:
         trip: float | None = None,
         answered: bool | None = False,
         restore: bool = False,
+        probe: str = "",
     ) -> tuple[bool, float, float, bool]:
         """One script call; answers (admitted, wait, backlog, the breaker's part: refused by
         it, or admitted as its probe) as :data:`BUDGET_SCRIPT` does. ``tell``: the call tells
         the cluster this process's pending items, and its backlog counts every process's.
         ``trip``: a call was answered 5xx, with this retry-after (0: none); ``answered``: a
         call was answered otherwise (True), or got no answer at all (None). ``restore``:
-        ``learn`` is stored only where the hash holds no limit."""
+        ``learn`` is stored only where the hash holds no limit. ``probe``: the reservation's
+        probe id (its mark, admitted as the probe), or the probe a call with no answer ends
+        ('' : whichever is out)."""
         limits = self.limits
         learned = learn or RateLimit()
         args: list[float | str] = [
@@ -377,6 +387,7 @@ class RedisRateBudget:
             OUTAGE_MAX_SECONDS,
             PROBE_POLL_SECONDS,
             1 if restore else 0,
+            probe,
         ]
         self.script_calls += 1
         keys = [self.key, f"{self.key}:pending"]
@@ -483,8 +494,9 @@ class RedisRateBudget:
         take = (1, estimate, prompt.max_tokens)
         # what this process learned goes along, stored where the hash holds none: the hash
         # expired (a day without a call) or Redis lost it, and no call went out unmetered
+        probe = uuid.uuid4().hex[:16]  # its probe mark's, should it be admitted as the probe
         admitted, wait, reading, breaker = self._run(
-            take, max(0.0, max_wait), tell=True, learn=self.learned, restore=True
+            take, max(0.0, max_wait), tell=True, learn=self.learned, restore=True, probe=probe
         )
         now = self._clock()
         self._backlog = (reading, now)
@@ -492,7 +504,8 @@ class RedisRateBudget:
             return BudgetGrant(admitted=False, wait=wait, shut=breaker)
         self._call.sent_at = now + wait
         self._call.stated = None
-        return BudgetGrant(True, wait, estimate, prompt.max_tokens, raw_input=raw, probe=breaker)
+        probe = probe if breaker else ""
+        return BudgetGrant(True, wait, estimate, prompt.max_tokens, raw_input=raw, probe=probe)
 
     def sent(self, waited: float) -> None:
         """Counted when the call went out, a budget off included (at 0: sent at once), not
@@ -512,8 +525,8 @@ class RedisRateBudget:
         them: uncached plus cache writes (cache reads do not count against ITPM). What the
         call's response headers said the provider's buckets hold (:meth:`learn`) goes in the
         same script call. The breaker's probe never sent (a cancel, or the worker's stop,
-        ended its wait) ends there, as one that got no answer does: its lease held every
-        process back for 20 s, sending nothing."""
+        ended its wait) ends there, as one that got no answer does, if its mark is still the
+        probe's: its lease held every process back for 20 s, sending nothing."""
         stated = getattr(self._call, "stated", None)
         found = getattr(self._call, "found", None)
         self._call.stated = self._call.found = None
@@ -534,10 +547,12 @@ class RedisRateBudget:
         # the limits the answer stated are stored over any other: a lower one a process
         # gone stored would otherwise hold the cluster there
         if stated is None:
-            self._run(take, -1, answered=answered, learn=found)
+            self._run(take, -1, answered=answered, learn=found, probe=grant.probe)
             return
         age = self._clock() - getattr(self._call, "sent_at", self._clock())
-        self._run(take, -1, stated=stated, age=age, answered=answered, learn=found)
+        self._run(
+            take, -1, stated=stated, age=age, answered=answered, learn=found, probe=grant.probe
+        )
 
     def pause(self, seconds: float) -> None:
         """Every process waits ``seconds`` (capped at a minute) before its next call. A 429
@@ -558,25 +573,27 @@ class RedisRateBudget:
 
     def breaker_shut(self, grant: BudgetGrant) -> bool:
         """Whether the breaker holds back ``grant``'s call, admitted with a wait (Redis's
-        clock; one round trip, nothing written): a 5xx another process met during the wait
-        opened it, or it is not closed and the grant is not its probe (the probe goes alone).
-        The call looks before it is sent: sent, it went into the outage every other process
-        was holding back from."""
+        clock; one round trip, nothing written): it is not closed, and the grant is not the
+        probe out, the probe mark its own and live (the probe goes alone). A 5xx another
+        process met during the wait opened it, or a 429's pause or the lease's end ended the
+        grant's probe and another may be out. The call looks before it is sent: sent, it went
+        into the outage every other process was holding back from, or beside the probe."""
         pipe = self.client.pipeline(transaction=False)
-        pipe.hmget(self.key, ["strikes", "open"])
+        pipe.hmget(self.key, ["strikes", "probe", "prober"])
         pipe.time()
-        (strikes, opened), (seconds, micros) = pipe.execute()
+        (strikes, lease, prober), (seconds, micros) = pipe.execute()
         if not int(strikes or 0):
             return False  # closed
-        return not grant.probe or float(opened or 0) > float(seconds) + float(micros) / 1e6
+        now = float(seconds) + float(micros) / 1e6
+        return not (grant.probe and _text(prober) == grant.probe and float(lease or 0) > now)
 
-    def unanswered(self) -> None:
-        """A call got no answer (a timeout, a connection lost or never made): if it was the
-        breaker's probe, the next call may probe now, not once its lease ran out. Nothing to
-        do while the budget is off and the shared hash holds no breaker (the probe can go
-        from any process, one with limits that never saw the breaker among them)."""
-        if self._turned_on():
-            self._run((0, 0, 0), -1, answered=None)
+    def unanswered(self, grant: BudgetGrant) -> None:
+        """``grant``'s call got no answer (a timeout, a connection lost or never made): if it
+        was the breaker's probe, and its mark is still the probe's (a 429's pause had not
+        ended it, another's probe out since), the next call may probe now, not once its lease
+        ran out. Any call's no-answer ended whichever probe was out: two went at once."""
+        if grant.probe:
+            self._run((0, 0, 0), -1, answered=None, probe=grant.probe)
 
     def answered(self) -> None:
         """A call was answered, neither 5xx nor 429, with no usage to settle on (a body that
@@ -614,6 +631,11 @@ class RedisRateBudget:
         if admitted:
             metrics.budget_waited(self.model, self.lane, wait)
         return BudgetGrant(admitted=admitted, wait=wait)
+
+
+def _text(value: bytes | str | None) -> str:
+    """A field the shared hash stores (bytes, or str from a client that decodes) as text."""
+    return value.decode() if isinstance(value, bytes) else value or ""
 
 
 def _limit(value: bytes | str | None) -> int | None:

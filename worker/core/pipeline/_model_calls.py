@@ -240,7 +240,7 @@ class ModelCalls:
             elif usage is None and error.outcome not in NO_ANSWER:
                 budget.answered()  # an answer all the same (a body that is not a message)
         if not error.sent or (usage is None and error.outcome in NO_ANSWER):
-            budget.unanswered()
+            budget.unanswered(grant)
 
     def _wait_for_budget(
         self, prompt: RerankPrompt, run: RerankRun, deadline: Deadline, check: BeforeModel | None
