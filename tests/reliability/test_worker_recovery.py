@@ -138,16 +138,16 @@ def worker(directory: Path, env: dict[str, str], name: str) -> Iterator[subproce
         yield proc
 
 
-def submit(client: httpx.Client, n: int, webhook_url: str | None = None) -> str:
+def submit(client: httpx.Client, n: int, webhook_url: str | None = None, first: int = 0) -> str:
     """A batch whose every query names its item, so the model's requests say which item
-    each one is for."""
+    each one is for (``first``: the number of its first item's id)."""
     queries = sample_queries()
     body: dict[str, Any] = {
         "index": INDEX,
         "rerank": True,
         "queries": [
             {"id": f"q{i:05d}", "query": f"{queries[i % len(queries)]} item q{i:05d}"}
-            for i in range(n)
+            for i in range(first, first + n)
         ],
     }
     if webhook_url:
@@ -423,7 +423,9 @@ def test_sigterm_at_a_full_redis_keeps_the_calls_of_the_item_it_hands_back(
     next worker takes it at once. Before, Redis refused the hand-back's writes (its delivery
     counter, then kombu's requeue in a ``MULTI``): the chunk's task failed ("raised
     unexpected: OutOfMemoryError"), its message was acked, and the item waited for the
-    re-drive (about 2.5 minutes here)."""
+    re-drive (about 2.5 minutes here). A second batch's item, begun after the 429 and held
+    by its pause before its model call, keeps no call: it goes back ``queued``, its chunk's
+    message on the queue too (Redis refused that move, and its chunk failed the same way)."""
     soft_shutdown = Settings(_env_file=None).worker_soft_shutdown_seconds  # type: ignore[call-arg]
     with (
         FakeAnthropic(delay=MODEL_SECONDS) as model,
@@ -436,6 +438,8 @@ def test_sigterm_at_a_full_redis_keeps_the_calls_of_the_item_it_hands_back(
             ingest(client)
             batch_id = submit(client, 1)
             wait_for(lambda: model.counts()["received"] >= 1, "the item's call refused")
+            waiting = submit(client, 1, first=1)  # its start paced on the 429's pause
+            wait_for(lambda: item_statuses(url, waiting) == {"q00001": "running"}, "it runs")
             refused = _refused_for_oom(r)
             r.config_set("maxmemory", int(r.info("memory")["used_memory"]) // 2)
             try:
@@ -446,17 +450,25 @@ def test_sigterm_at_a_full_redis_keeps_the_calls_of_the_item_it_hands_back(
             finally:
                 r.config_set("maxmemory", 0)  # room again
         log = (tmp_path / "w" / "a.log").read_text(errors="replace")
-        assert "1 items handed back" in log, log[-3000:]
+        assert log.count("1 items handed back") == 2, log[-3000:]
         assert "raised unexpected" not in log and code == 0, (code, log[-3000:])
-        # the chunk's message is back on its queue, for the next worker to take at once
-        assert state[BATCH_QUEUE] == 1 and state[KOMBU_UNACKED_KEY] == 0, state
+        # each chunk's message is back on its queue, for the next worker to take at once
+        assert state[BATCH_QUEUE] == 2 and state[KOMBU_UNACKED_KEY] == 0, state
         assert model.counts()["received"] == 1  # the retry was not sent by the stopping worker
+        assert item_statuses(url, batch_id) == {"q00000": "running"}  # keeping its 429
+        assert item_statuses(url, waiting) == {"q00001": "queued"}  # keeping nothing
         with worker(tmp_path / "w", env, "b"):
             wait_finished(client, url, batch_id, FINISH_TIMEOUT)
+            wait_finished(client, url, waiting, FINISH_TIMEOUT)
         assert_batch_exactly_once(client, url, batch_id, 1)
-        assert model_calls(model) == Counter({"q00000": 2})  # the 429'd call, then B's
+        # the 429'd call, then B's; the waiting item's one call, B's
+        assert model_calls(model) == Counter({"q00000": 2, "q00001": 1})
         [line] = all_results(client, batch_id)
         assert line["result"]["usage"]["requests"] == 2, line  # both shown
+        [line] = all_results(client, waiting)
+        assert batch_counts(client, waiting)["counts"]["succeeded"] == 1, line
+        assert line["query_id"] == "q00001" and line["status"] == "succeeded", line
+        assert line["result"]["usage"]["requests"] == 1, line
 
 
 def _refused_for_oom(client: redis.Redis) -> int:

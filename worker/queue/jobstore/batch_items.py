@@ -100,7 +100,10 @@ class BatchItemRecords(_StoreCore):
         return bool(self.redis.hexists(BATCH_KEY + batch_id, "canceled_at"))
 
     def requeue_item(self, batch_id: str, query_id: str) -> bool:
-        return self._item(batch_id, query_id, JobStatus.QUEUED, "running", "", NO_CANCEL).applied
+        """running -> queued (for a retry, or the item handed back by its stopping worker), on a
+        Redis at its ``maxmemory`` too (:data:`~worker.queue.jobstore.scripts._REQUEUE_ITEM`)."""
+        move = (JobStatus.QUEUED, "running", "", NO_CANCEL)
+        return self._item(batch_id, query_id, *move, script=self._requeue_item).applied
 
     def finish_item(
         self,

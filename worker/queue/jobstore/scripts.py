@@ -177,6 +177,14 @@ end
 return {code, canceled}
 """
 
+# _TRANSITION_ITEM flagged allow-oom, for one move alone: running -> queued, the item a stopping
+# worker hands back keeping no calls (BatchItemRecords.requeue_item). That move only rewrites
+# the item's status and moves counters and a score that exist (it stops at its non-final
+# return, before the moves hash), so it runs on a Redis at its maxmemory (noeviction); refused
+# there, the item's chunk failed ("raised unexpected: OutOfMemoryError"), its message acked,
+# and its items waited for the re-drive.
+_REQUEUE_ITEM = "#!lua flags=allow-oom" + _TRANSITION_ITEM
+
 # Cancels a batch: marks it canceled and cancels every item still queued.
 # KEYS: 1 items, 2 counts, 3 batch, 4 stats, 5 active, 6 webhooks owed, 7 order, 8 specs,
 #   9 results, 10 moves, 11 run claims, 12 lost, 13 chunks' run claims, 14-17 the economy

@@ -79,6 +79,7 @@ from worker.queue.jobstore.scripts import (
     _READ_RESULTS_PAGE,
     _RELEASE_IDEMPOTENCY,
     _RELEASE_RUN,
+    _REQUEUE_ITEM,
     _SAVE_PREPARED,
     _SET_DELIVERIES,
     _TAKE_CANCEL_COUNT,
@@ -181,6 +182,7 @@ class _StoreCore:
         self.result_ttl = result_ttl
         self._transition_job = client.register_script(_TRANSITION_JOB)
         self._transition_item = client.register_script(_TRANSITION_ITEM)
+        self._requeue_item = client.register_script(_REQUEUE_ITEM)
         self._cancel_batch = client.register_script(_CANCEL_BATCH)
         self._create_search = client.register_script(_CREATE_SEARCH)
         self._create_write_script = client.register_script(_CREATE_WRITE)
@@ -322,9 +324,10 @@ class _StoreCore:
         cancelable: str,
         tally: Sequence[str] = (),
         claimant: Claimant = ("", 0.0),
+        script: Script | None = None,
     ) -> ItemTransition:
         (transition,) = self._items(
-            [(batch_id, query_id, to, allowed, payload, cancelable)], tally, claimant
+            [(batch_id, query_id, to, allowed, payload, cancelable)], tally, claimant, script
         )
         return transition
 
@@ -334,7 +337,11 @@ class _StoreCore:
             return ",".join(self._running.get(key + "|" + field, ()))
 
     def _items(
-        self, moves: Sequence[_Move], tally: Sequence[str] = (), claimant: Claimant = ("", 0.0)
+        self,
+        moves: Sequence[_Move],
+        tally: Sequence[str] = (),
+        claimant: Claimant = ("", 0.0),
+        script: Script | None = None,
     ) -> list[ItemTransition]:
         """Item transitions (batch id, query id, to, allowed-from, outcome JSON or '', and
         when the batch's cancel mark makes it a cancel), in order, in one round trip.
@@ -342,11 +349,12 @@ class _StoreCore:
         increment pairs, :func:`~worker.queue.jobstore.batch_items.batch_tally`), added only if
         that move makes the item final with its outcome, so once. ``claimant``: the worker id
         and lease the item's run would claim with, by which a start judges its claim (as
-        :data:`_CLAIM_RUN` would)."""
+        :data:`_CLAIM_RUN` would). ``script``: the transition script's flagged copy
+        (:data:`_REQUEUE_ITEM`) for the move it is flagged for, else the script itself."""
         now = repr(_now())
         calls: list[_ScriptCall] = [
             (
-                self._transition_item,
+                script or self._transition_item,
                 [
                     BATCH_ITEMS_KEY + batch_id,
                     BATCH_RESULTS_KEY + batch_id,
