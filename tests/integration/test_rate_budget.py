@@ -13,7 +13,7 @@ import multiprocessing
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import anthropic
@@ -342,12 +342,14 @@ def build(
     deadline: float = 3.0,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    answered: Callable[[], None] | None = None,
     **more: Any,
 ) -> tuple[SearchPipeline, RedisRateBudget]:
     """A pipeline on the fake over the real SDK, metered by a budget on ``client``'s Redis;
     ``more``: other settings. A call times out after 2 s of real time; under a test's own
     clock (whose deadline the machine's load cannot spend) after 30, so that a loaded
-    machine's slow answer is not taken for a timeout and retried."""
+    machine's slow answer is not taken for a timeout and retried. ``answered`` runs as each
+    answer's headers come in (an error's too), before the budget reads them."""
     settings = load_settings(
         rerank_enabled=True,
         generation_model=f"anthropic:{MODEL}",
@@ -358,11 +360,17 @@ def build(
     )
     budget = RedisRateBudget(client, MODEL, limits)
     sdk = anthropic.Anthropic(base_url=fake.url, api_key="sk-test", max_retries=0)
+
+    def on_headers(headers: Mapping[str, str]) -> None:
+        if answered is not None:
+            answered()
+        budget.learn(headers)
+
     pipeline = build_pipeline(
         settings,
         backend=InMemoryBackend(),
         embedder=FakeEmbedder(),
-        reranker=AnthropicReranker(MODEL, client=sdk, on_headers=budget.learn),
+        reranker=AnthropicReranker(MODEL, client=sdk, on_headers=on_headers),
         recorder=recorder,
         rate_budget=budget,
         clock=clock,
@@ -1570,3 +1578,129 @@ def test_a_pause_begun_during_the_wait_past_the_deadline_sends_nothing(
     [attempt] = result.trace["attempts"]
     assert attempt["outcome"] == "budget_exhausted"
     assert attempt["budget_wait_seconds"] > 29.0  # the wait, and the pause it would have had
+
+
+# --- on a Redis at its maxmemory (noeviction), through the pipeline --------------------------
+
+
+@pytest.fixture
+def fill(client: redis.Redis) -> Iterator[Callable[[], None]]:
+    """Fills the server when called: its memory limit set to half what it holds
+    (``noeviction``, Redis's default), so that it refuses every write that may grow it; room
+    again after the test."""
+
+    def filled() -> None:
+        client.config_set("maxmemory", int(client.info("memory")["used_memory"]) // 2)
+
+    yield filled
+    client.config_set("maxmemory", 0)
+
+
+def still_full(client: redis.Redis) -> bool:
+    """Whether the server still refuses a write that grows it: what the budget wrote meanwhile
+    went in on a full Redis."""
+    try:
+        client.set("room?", "1")
+    except redis.exceptions.OutOfMemoryError:
+        return True
+    return False
+
+
+def test_a_batch_item_at_a_full_redis_reserves_its_call_there(
+    fake: fa.FakeAnthropic, client: redis.Redis, fill: Callable[[], None]
+) -> None:
+    """The budget's one script writes a fixed set of fields (the buckets, the pause, the
+    breaker) and one field per process: flagged ``allow-oom``, it runs on a full Redis, so a
+    batch item there reserves its call and reranks, while another item of its process, let
+    start, is told to the cluster in the same script call. Refused before, the reservation's
+    ``OutOfMemoryError`` escaped the search: nothing reranked, nothing sent."""
+    pipeline, budget = build(fake, client, "fail_closed", RateLimit(rpm=60), RecordingRecorder())
+    other = threading.Thread(target=budget.started)  # another item, paced, not yet reserved
+    other.start()
+    other.join()
+    fill()
+    result = search(pipeline)
+    assert result.rerank.applied is True and len(fake.requests()) == 1
+    assert result.usage.requests == 1
+    assert still_full(client)
+    assert float(client.hget(budget.key, "r") or 60) < 60 * BURST_FRACTION  # reserved there
+    assert client.hget(f"{budget.key}:pending", budget.process)  # the other item told
+
+
+def test_a_billed_call_whose_answer_comes_to_a_full_redis_is_settled_and_shown(
+    fake: fa.FakeAnthropic, client: redis.Redis, fill: Callable[[], None]
+) -> None:
+    """Redis fills while the call is out: its settlement (the unused output tokens given back)
+    is written there all the same, and the search shows the call's usage. Refused before, the
+    settlement's ``OutOfMemoryError`` escaped the search after the call was billed: its answer
+    and usage were lost (a re-drive would call the model again), and its ``max_tokens`` held
+    in the bucket until it refilled."""
+    limits = RateLimit(rpm=60, otpm=6_000)
+    recorder = RecordingRecorder()
+    pipeline, budget = build(fake, client, "fail_closed", limits, recorder, answered=fill)
+    result = search(pipeline)
+    assert result.rerank.applied is True and len(fake.requests()) == 1
+    used = result.usage.output_tokens
+    assert result.usage.requests == 1 and used > 0
+    assert recorder.events["attempt", "ok"] == 1
+    assert still_full(client)
+    # settled: the bucket lacks what the call used at most, not its reserved max_tokens
+    assert float(client.hget(budget.key, "o") or 0) >= 6_000 * BURST_FRACTION - used
+
+
+@pytest.mark.parametrize("stop", [HandedBack, Canceled], ids=["worker-stop", "cancel"])
+def test_a_stop_during_the_wait_at_a_full_redis_gives_the_reservation_back(
+    fake: fa.FakeAnthropic,
+    client: redis.Redis,
+    fill: Callable[[], None],
+    stop: type[Exception],
+) -> None:
+    """A batch item's worker stopping (or its batch canceled) during its wait for the budget,
+    Redis full meanwhile: the wait ends with the stop's own error, and the reservation goes
+    back whole. Refused before, the give-back's ``OutOfMemoryError`` replaced the stop's:
+    the item was taken for one whose Redis failed (left ``running`` for the re-drive) instead
+    of handed back or canceled."""
+    clock = FakeClock()
+    pipeline, budget = build(
+        fake, client, "fail_closed", RateLimit(rpm=2), RecordingRecorder(),
+        deadline=120.0, clock=clock, sleep=clock.sleep,
+    )  # fmt: skip
+    exhaust(budget)
+    before = request_wait(client, budget.key, rpm=2)(redis_now(client))
+
+    def stopping(billed: object) -> None:  # Redis filled, then the stop, in the first second
+        if clock.sleeps:
+            fill()
+            raise stop("the worker is stopping" if stop is HandedBack else "canceled")
+
+    spec = SearchSpec(index="docs", query="volcano ash", limit=5)
+    with pytest.raises(stop):
+        pipeline.search(spec, "acme", stopping)
+    assert fake.requests() == [] and still_full(client)
+    after = request_wait(client, budget.key, rpm=2)(redis_now(client))
+    assert after <= before  # given back: a reservation held would add 30 s
+
+
+def test_a_429_answered_to_a_full_redis_pauses_every_process(
+    fake: fa.FakeAnthropic, client: redis.Redis, fill: Callable[[], None]
+) -> None:
+    """Redis fills while the call is out, and the provider answers 429: the pause is written
+    there all the same, so every process waits out its ``retry-after``, and the search falls
+    back as its policy says. Refused before (the 429's settlement, then its pause), the
+    ``OutOfMemoryError`` escaped the search, the 429 counted nowhere and no process paused."""
+    recorder = RecordingRecorder()
+    pipeline, budget = build(
+        fake, client, "fail_open", RateLimit(rpm=6_000), recorder, answered=fill
+    )
+    fake.script([fa.status(429, retry_after=30)])
+    searched_from = redis_now(client)
+    result = search(pipeline)  # the retry would wait 30 s: past the 3 s deadline
+    searched_by = redis_now(client)
+    assert result.trace["attempts"][0]["outcome"] == "rate_limited"
+    assert recorder.events["attempt", "rate_limited"] == 1
+    assert result.rerank.applied is False and len(fake.requests()) == 1
+    assert still_full(client)
+    until = paused_until(client, budget.key)
+    assert searched_from + 30.0 <= until <= searched_by + 30.0
+    other = RedisRateBudget(client, MODEL, RateLimit(rpm=6_000))
+    assert not other.reserve(PROMPT, max_wait=1.0).admitted  # paused

@@ -104,7 +104,15 @@ OUTAGE_BACKLOG_SECONDS = 86_400.0
 # bucket has room for that many seconds' worth more. Numbers are stored with 17 digits (Lua's
 # tostring keeps 14: a tenth of a millisecond of Redis's clock). Nothing but learned limits and
 # the caller's pending is written when it is not admitted.
-BUDGET_SCRIPT = """
+# Flagged allow-oom: what it writes is bounded, whatever the calls: one hash per lane and model
+# of a fixed set of fields (the three buckets and learned limits, the stamp, the pause, the
+# breaker's strikes, opening and probe mark), and one field per process in the pending hash
+# (its own, rewritten; a gone process's is dropped once stale), both under a TTL. Redis at its
+# maxmemory (noeviction) refused it as a whole (at its first write that may grow): a search's
+# reservation (one of a process with items let start), a billed call's settlement, a stop's or
+# a cancel's give-back, a 429's pause, each raised OutOfMemoryError out of the search: the
+# billed answer lost, the stop or cancel taken for a Redis failure, no process paused.
+BUDGET_SCRIPT = """#!lua flags=allow-oom
 local function num(x) return string.format('%.17g', x) end
 local key = KEYS[1]
 local clock = redis.call('TIME')
