@@ -12,6 +12,7 @@ from worker.core.catalog import IndexInfo, IndexSize, ListedDocument, StoredDocu
 
 from ._pool import _Pool, _read, _translated
 from ._schema import _holds
+from ._sizes import _read_size
 
 
 class _Listing(_Pool):
@@ -62,13 +63,12 @@ class _Listing(_Pool):
 
     def index_size(self, index: str, tenant: str) -> IndexSize | None:
         """The tenant's documents in the index and the UTF-8 bytes of their title, text and
-        metadata; None when it holds none. A read of every one of its bodies (a cast to a
-        blob counts bytes, past a U+0000 too): a worker takes it once per write job, not
-        per search."""
+        metadata; None when it holds none. Its running totals (:mod:`._sizes`), kept by
+        each write in its transaction: a worker reads them after each write job, where a sum
+        over every body of the index took 93 ms of CPU at 200,000 documents of 1 kB, and
+        grew with them."""
         with self._conn() as conn, _translated("index_size"), _read(conn):
-            row = cast(tuple[int, int], conn.execute(INDEX_SIZE, (index, tenant)).fetchone())
-        count, stored = row
-        return IndexSize(int(count), int(stored)) if count else None
+            return _read_size(conn, index, tenant)
 
     def document(self, index: str, tenant: str, doc_id: str) -> StoredDocument | None:
         """One of the tenant's documents as stored (no vector); None if it has no such one."""
@@ -124,13 +124,6 @@ class _Listing(_Pool):
             for doc_id, revision, meta, title, preview, length, version, whole in rows
         ]
 
-
-#: A tenant's documents in one index, and the bytes of their title, text and metadata.
-INDEX_SIZE = (
-    "SELECT count(*), coalesce(sum(length(CAST(b.title AS BLOB))"
-    " + length(CAST(b.text AS BLOB)) + length(CAST(d.metadata AS BLOB))), 0)"
-    " FROM docs AS d JOIN bodies AS b ON b.seq = d.seq WHERE d.idx = ?1 AND d.tenant = ?2"
-)
 
 #: A tenant's documents of the ids in a JSON array, as stored.
 STORED_DOCUMENTS = (

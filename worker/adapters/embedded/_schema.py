@@ -114,9 +114,19 @@ CREATE TABLE IF NOT EXISTS index_settings(
     version INTEGER NOT NULL,
     PRIMARY KEY(idx, tenant)
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS index_sizes(
+    num INTEGER PRIMARY KEY,
+    generation INTEGER NOT NULL,
+    documents INTEGER NOT NULL,
+    bytes INTEGER NOT NULL
+);
 """
-# Six came after v2 without a bump: a v2 data dir gains them on open, and an earlier v2
-# release reads past them. ``fts_remakes`` says how far the making again of an earlier
+# Seven came after v2 without a bump: a v2 data dir gains them on open, and an earlier v2
+# release reads past them. ``index_sizes`` holds each tenant's index's running totals
+# (:mod:`._sizes`), each row at the generation of its index it was counted at: a row an
+# earlier release's write left stale, or one not made yet, is counted again from the
+# index's rows at its next write, so neither a first open nor a rollback and the upgrade
+# after it reads a data dir whole. ``fts_remakes`` says how far the making again of an earlier
 # release's FTS5 table has come (:func:`_remake_step`); ``tombstones`` says when each delete's
 # ``writes`` row was written, so it goes once no ingest accepted before the delete can still
 # run (:func:`_date_tombstones` dates those a data dir held before it, as of its first open),

@@ -35,6 +35,7 @@ from ._schema import (
     _settle_emptied,
     make_earlier_fts,
 )
+from ._sizes import _keep_size, _size_before, _stored_bytes, _Totals
 
 _T = TypeVar("_T")
 
@@ -90,6 +91,7 @@ class _Writes(_Pool):
     ) -> int:
         written = 0
         num: int | None = None  # the tenant's index, made by the first row written
+        totals = _Totals(0, 0)  # its documents and bytes, counted before the first
         with self._conn() as conn, _translated("upsert"), _write(conn):
             if (done := _outcome(conn, index, tenant, version)) is not None:
                 return done
@@ -107,13 +109,14 @@ class _Writes(_Pool):
                         _check_model(conn, index, tenant, model)
                     if matrix is not None:
                         _claim_dimension(conn, num, index, matrix.shape[1])
+                    totals = _size_before(conn, num, index, tenant)
                 fts = f"fts_{num}"
                 old = conn.execute(
                     "SELECT seq FROM docs WHERE idx = ? AND tenant = ? AND id = ?",
                     (index, tenant, doc_id),
                 ).get
                 if old is not None:
-                    _remove_row(conn, fts, old)
+                    totals.remove(_remove_row(conn, fts, old))
                 conn.execute(
                     "INSERT INTO docs(idx, tenant, id, revision, metadata, has_vector)"
                     " VALUES (?, ?, ?, ?, ?, ?)",
@@ -127,10 +130,12 @@ class _Writes(_Pool):
                 if matrix is not None:
                     conn.execute("INSERT INTO vectors VALUES (?, ?)", (seq, matrix[i].tobytes()))
                 _set_version(conn, index, tenant, doc_id, _recorded(version, held), deleted=LIVE)
+                totals.add(_stored_bytes(title, text, metadata))
                 written += 1
             if num is not None:  # a write that wrote nothing is no last write (as a delete's)
                 _touch(conn, index, tenant, model if matrix is not None else None)
                 conn.execute("UPDATE indexes SET generation = generation + 1 WHERE num = ?", (num,))
+                _keep_size(conn, num, totals)
             _record_outcome(conn, index, tenant, version, written)
             _expire_tombstones(conn, time.time() - self.tombstone_seconds)
         return written
@@ -156,8 +161,10 @@ class _Writes(_Pool):
             if (done := _outcome(conn, index, tenant, version)) is not None:
                 return done
             row = _index_row(conn, index, tenant)
+            totals = _Totals(0, 0)
             if row is not None:
                 _make_erasable(conn, row[0])
+                totals = _size_before(conn, row[0], index, tenant)
             floor = _floor(conn, index, tenant)
             for doc_id in dict.fromkeys(i for i in ids if i):
                 held = _held_version(conn, index, tenant, doc_id)
@@ -168,7 +175,7 @@ class _Writes(_Pool):
                     (index, tenant, doc_id),
                 ).get
                 if old is not None and row is not None:
-                    _remove_row(conn, f"fts_{row[0]}", old)
+                    totals.remove(_remove_row(conn, f"fts_{row[0]}", old))
                     deleted += 1
                 recorded = _recorded(version, held)
                 _set_version(conn, index, tenant, doc_id, recorded, deleted=TOMBSTONE)
@@ -179,6 +186,7 @@ class _Writes(_Pool):
                 conn.execute(
                     "UPDATE indexes SET generation = generation + 1 WHERE num = ?", (row[0],)
                 )
+                _keep_size(conn, row[0], totals)
                 if deleted:
                     emptied = _settle_emptied(conn, row[0], index, tenant)
             _record_outcome(conn, index, tenant, version, deleted, emptied=emptied)
@@ -273,12 +281,14 @@ class _Writes(_Pool):
                 fts = None if len(seqs) == len(held) else f"fts_{row[0]}"
                 if fts is not None:
                     _make_erasable(conn, row[0])
+                totals = _size_before(conn, row[0], index, tenant)
                 for seq in seqs:
-                    _remove_row(conn, fts, seq)
+                    totals.remove(_remove_row(conn, fts, seq))
                 gone = len(seqs)
                 conn.execute(
                     "UPDATE indexes SET generation = generation + 1 WHERE num = ?", (row[0],)
                 )
+                _keep_size(conn, row[0], totals)
                 _settle_emptied(conn, row[0], index, tenant)
             for table in ("writes", "tombstones"):  # below the floor, they order nothing
                 conn.execute(
@@ -331,12 +341,16 @@ def _document_row(i: int, doc: Document) -> tuple[str, str, str, str, str]:
     return doc.id, doc.title, doc.text, revision, metadata
 
 
-def _remove_row(conn: apsw.Connection, fts: str | None, seq: int) -> None:
+def _remove_row(conn: apsw.Connection, fts: str | None, seq: int) -> int:
     """Remove a document's rows, its terms in ``fts`` too (FTS5's ``delete`` command, given
     the text it was indexed with: :func:`._schema._create_fts`; None: the table is dropped
-    next), all zeroed in the file. The FTS5 table is one :func:`._schema._make_erasable`
-    saw."""
-    body = conn.execute("SELECT title, text FROM bodies WHERE seq = ?", (seq,)).fetchone()
+    next), all zeroed in the file; answers the bytes it held (:func:`._sizes._stored_bytes`).
+    The FTS5 table is one :func:`._schema._make_erasable` saw."""
+    body = conn.execute(
+        "SELECT b.title, b.text, d.metadata FROM bodies AS b JOIN docs AS d ON d.seq = b.seq"
+        " WHERE b.seq = ?",
+        (seq,),
+    ).fetchone()
     if body is not None and fts is not None:
         conn.execute(
             f"INSERT INTO {fts}({fts}, rowid, title, text) VALUES ('delete', ?, ?, ?)",
@@ -344,6 +358,7 @@ def _remove_row(conn: apsw.Connection, fts: str | None, seq: int) -> None:
         )
     for table in ("docs", "bodies", "vectors"):
         conn.execute(f"DELETE FROM {table} WHERE seq = ?", (seq,))
+    return 0 if body is None else _stored_bytes(*body)
 
 
 def _floor(conn: apsw.Connection, index: str, tenant: str) -> int:
