@@ -13,12 +13,12 @@ overshoot the limit by more than what the other gateways admitted meanwhile.
 
 And past 90 % of Redis's ``maxmemory`` (:class:`StoreMemory`), new jobs are refused with a
 503 ``job_store_full`` (nothing stored, as at the limit itself), so the jobs running can
-still write their ends. A batch is judged with what it will add (:func:`batch_bytes`, its
-items and their results, each hit priced by its index's mean document, :func:`hit_bytes`),
-so one admitted below 90 % does not fill Redis on its own; and what Redis holds is read
-with the results the work queued or running still owes (:func:`with_results_owed`), so
-batches admitted one after another do not fill it together (that owed figure is still a
-fixed size a result: see :data:`OWED_BYTES`).
+still write their ends. A batch, or a search as a batch of one, is judged with what it will
+add (:func:`batch_bytes`, its items and their results, each hit priced by its index's mean
+document, :func:`hit_bytes`), so one admitted below 90 % does not fill Redis on its own;
+and what Redis holds is read with the results the work queued or running still owes
+(:func:`with_results_owed`), so batches admitted one after another do not fill it together
+(that owed figure is still a fixed size a result: see :data:`OWED_BYTES`).
 """
 
 from __future__ import annotations
@@ -203,9 +203,9 @@ def batch_bytes(
 
 
 #: What a search or batch item not finished yet will still write: its result, of 10 hits (the
-#: default limit) of the fixed size, whatever its index. A batch admitted is judged with its
-#: own results, priced by its index (:func:`batch_bytes`); those of the work admitted before
-#: it, not written yet, are counted with each reading at this size: an item over long
+#: default limit) of the fixed size, whatever its index. A search or batch admitted is judged
+#: with its own results, priced by its index (:func:`batch_bytes`); those of the work admitted
+#: before it, not written yet, are counted with each reading at this size: an item over long
 #: documents owes more than it says here.
 OWED_BYTES = ITEM_BYTES + 10 * HIT_BYTES
 
@@ -240,8 +240,8 @@ class StoreFull(Exception):
         held = f"Redis holds {used / limit:.0%} of its maxmemory, with the results owed"
         if adding:
             said = (
-                f"the job store has no room for {what}: {held} ({_mb(limit)}), the batch "
-                f"would add about {_mb(adding)} with its results, and new jobs are refused "
+                f"the job store has no room for {what}: {held} ({_mb(limit)}), it would "
+                f"add about {_mb(adding)} with its results, and new jobs are refused "
             )
         else:
             said = f"the job store is nearly full: {held}, and new jobs are refused "
@@ -253,15 +253,16 @@ class StoreFull(Exception):
 
 
 class TooLargeForStore(Exception):
-    """A batch whose ``adding`` bytes alone pass :data:`MEMORY_ADMITTED` of ``maxmemory``:
-    no retry admits it, however much Redis frees (answer 422 naming its queries)."""
+    """A batch (or a search) whose ``adding`` bytes alone pass :data:`MEMORY_ADMITTED` of
+    ``maxmemory``: no retry admits it, however much Redis frees (answer 422 naming its
+    queries, a search's limit)."""
 
     def __init__(self, limit: int, adding: int, what: str) -> None:
         super().__init__(
             f"{what} would take about {_mb(adding)} of the job store with its results, more "
             f"than the {MEMORY_ADMITTED:.0%} of Redis's maxmemory ({_mb(limit)}) new jobs "
-            "may fill, so no retry admits it: send its queries in smaller batches, or give "
-            "Redis a larger maxmemory"
+            "may fill, so no retry admits it: send its queries in smaller batches (a search: "
+            "ask for fewer hits), or give Redis a larger maxmemory"
         )
 
 

@@ -9,8 +9,7 @@ import redis
 from fastapi import Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 
-from api_gateway.backpressure import HIT_OVERHEAD_BYTES, batch_bytes, hit_bytes
-from api_gateway.bodies import BATCH_BODY, ParsedBatch, parse_batch, read_as_json
+from api_gateway.bodies import BATCH_BODY, parse_batch, read_as_json
 from api_gateway.deps import (
     ERRORS,
     REPLAYED_HEADER,
@@ -19,7 +18,6 @@ from api_gateway.deps import (
     Tenant,
     accepted,
     app_settings,
-    async_job_store,
     is_id,
     job_store,
     location,
@@ -46,6 +44,7 @@ from api_gateway.jobs._shared import (
     gone,
     no_job,
     not_there,
+    results_size,
     router,
 )
 from api_gateway.queue import TaskMessage
@@ -112,25 +111,6 @@ async def _owned_batch(request: Request, batch_id: str, tenant: str) -> BatchJob
     return batch
 
 
-async def _batch_size(request: Request, tenant: str, parsed: ParsedBatch) -> tuple[int, str]:
-    """What the batch will add to the job store with its results (:func:`batch_bytes`), each
-    hit priced by its index's mean document as the workers recorded it (:func:`hit_bytes`;
-    one read of Redis), and how a refusal names it. An index of ``n`` documents gives a
-    query ``n`` hits at most, so its hits are counted up to that."""
-    body, items = parsed.head, parsed.items
-    size = await async_job_store(request).index_size(tenant, body.index)
-    hits = parsed.hits if size is None else min(parsed.hits, len(items) * size[0])
-    per_hit = hit_bytes(size)
-    adding = batch_bytes(items, hits, body.include_trace, per_hit)
-    what = f"this batch of {len(items)} queries"
-    if size is not None:
-        what += (
-            f" (up to {hits} hits over index {body.index!r}, whose documents hold "
-            f"{per_hit - HIT_OVERHEAD_BYTES:,} bytes on average)"
-        )
-    return adding, what
-
-
 @router.post(
     "/batches",
     response_model=BatchOut,
@@ -181,7 +161,15 @@ async def create_batch(
             ]
 
         try:
-            adding, what = await _batch_size(request, tenant, parsed)
+            adding, what = await results_size(
+                request,
+                tenant,
+                parsed.head.index,
+                parsed.items,
+                parsed.hits,
+                parsed.head.include_trace,
+                f"this batch of {len(parsed.items)} queries",
+            )
             async with _admitted(request, total, adding, what):  # the whole batch, or none
                 batch = await off_loop(
                     _create_and_enqueue,

@@ -37,6 +37,7 @@ from api_gateway.jobs._shared import (
     erase,
     gone,
     not_there,
+    results_size,
     router,
 )
 from api_gateway.schemas import ErasedOut, SearchJobOut, SearchRequest, iso, webhook_out
@@ -113,9 +114,18 @@ async def create_search(
     if job_id is None:
         async_store = async_job_store(request)
         try:
-            async with _admitted(request, 1):
-                asked = body.model_dump(exclude={"webhook_url"})
-                spec = SearchSpec.model_validate({**asked, "rerank": rerank})
+            asked = body.model_dump(exclude={"webhook_url"})
+            spec = SearchSpec.model_validate({**asked, "rerank": rerank})
+            adding, what = await results_size(  # priced as a batch of one, by its index
+                request,
+                tenant,
+                body.index,
+                [("", spec.model_dump_json())],
+                body.limit,
+                body.include_trace,
+                "this search",
+            )
+            async with _admitted(request, 1, adding, what, field="limit"):
                 # one script on the event loop: the record, the task message, the key's binding
                 fresh = await _create_and_enqueue_async(
                     task_sender(request),

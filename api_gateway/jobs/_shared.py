@@ -16,14 +16,17 @@ from fastapi import APIRouter, Path, Request
 
 from api_gateway.backpressure import (
     FULL_RETRY_AFTER_SECONDS,
+    HIT_OVERHEAD_BYTES,
     RETRY_AFTER_SECONDS,
     Backlog,
     BacklogFull,
     StoreFull,
     StoreMemory,
     TooLargeForStore,
+    batch_bytes,
+    hit_bytes,
 )
-from api_gateway.deps import is_id, job_store, off_loop, task_sender
+from api_gateway.deps import async_job_store, is_id, job_store, off_loop, task_sender
 from api_gateway.errors import (
     UNAVAILABLE_RETRY_AFTER,
     UNAVAILABLE_RETRY_AFTER_SECONDS,
@@ -152,18 +155,46 @@ async def erase(request: Request, kind: ErasableKind, job_id: str, tenant: str) 
     return ErasedOut(id=job_id, kind=kind, erased_at=iso(erasure.erased_at) or "")
 
 
-async def room_for_new_work(request: Request, adding: int = 0, what: str = "") -> None:
+async def results_size(
+    request: Request,
+    tenant: str,
+    index: str,
+    items: list[tuple[str, str]],
+    hits: int,
+    traced: bool,
+    what: str,
+) -> tuple[int, str]:
+    """What a search or batch will add to the job store with its results (:func:`batch_bytes`
+    of its ``items``, a search one), each of its ``hits`` priced by its index's mean
+    document as the workers recorded it (:func:`hit_bytes`; one read of Redis), and how a
+    refusal names it (``what``, with the index's figures). An index of ``n`` documents
+    gives a query ``n`` hits at most, so its hits are counted up to that."""
+    size = await async_job_store(request).index_size(tenant, index)
+    hits = hits if size is None else min(hits, len(items) * size[0])
+    per_hit = hit_bytes(size)
+    if size is not None:
+        what += (
+            f" (up to {hits} hits over index {index!r}, whose documents hold "
+            f"{per_hit - HIT_OVERHEAD_BYTES:,} bytes on average)"
+        )
+    return batch_bytes(items, hits, traced, per_hit), what
+
+
+async def room_for_new_work(
+    request: Request, adding: int = 0, what: str = "", field: str = "queries"
+) -> None:
     """503 ``job_store_full`` with ``Retry-After`` when Redis holds 90 % of its ``maxmemory``
-    or more, or would with the ``adding`` bytes of ``what`` (a batch: :func:`batch_bytes`)
-    (:class:`StoreMemory`): the room left is for the jobs running. A batch that alone would
-    pass the 90 % is a 422 naming its queries: no retry admits it."""
+    or more, or would with the ``adding`` bytes of ``what`` (a search or batch:
+    :func:`results_size`) (:class:`StoreMemory`): the room left is for the jobs running. One
+    that alone would pass the 90 % is a 422 naming ``field`` (a batch's queries, a search's
+    limit): no retry admits it."""
     memory: StoreMemory | None = getattr(request.app.state, "memory", None)
     if memory is None:
         return
     try:
         await memory.admit(adding, what)
     except TooLargeForStore as exc:
-        raise InvalidRequest("queries", str(exc)) from exc
+        raise InvalidRequest(field, str(exc)) from exc
     except StoreFull as exc:
         log.warning("backpressure: %s", exc)
         raise ApiError(
@@ -176,13 +207,13 @@ async def room_for_new_work(request: Request, adding: int = 0, what: str = "") -
 
 @contextlib.asynccontextmanager
 async def _admitted(
-    request: Request, items: int, adding: int = 0, what: str = ""
+    request: Request, items: int, adding: int = 0, what: str = "", field: str = "queries"
 ) -> AsyncIterator[None]:
     """Backpressure: 503 when Redis is nearly full, or would be with the ``adding`` bytes of
-    ``what`` (:func:`room_for_new_work`); 429 with ``Retry-After`` when ``items`` more would
-    pass the backlog limit; else the block stores their job, counted as this gateway's until
-    it ends (:meth:`Backlog.storing`)."""
-    await room_for_new_work(request, adding, what)
+    ``what`` (:func:`room_for_new_work`, a 422 naming ``field`` for one that never fits);
+    429 with ``Retry-After`` when ``items`` more would pass the backlog limit; else the block
+    stores their job, counted as this gateway's until it ends (:meth:`Backlog.storing`)."""
+    await room_for_new_work(request, adding, what, field)
     backlog: Backlog | None = getattr(request.app.state, "backlog", None)
     if backlog is None or backlog.limit <= 0:
         yield

@@ -225,7 +225,9 @@ def test_a_batch_s_hits_are_priced_by_what_its_index_s_documents_hold(
     document: Redis at 80 % of its maxmemory (2 MB to the 90 %), ten queries of 10 hits over
     documents of 50,000 characters (about 5 MB of results: 46 kB at the fixed price) are
     refused, naming the index; the same batch over short documents, in another index or in
-    this one once its documents are replaced by short ones, is admitted and runs."""
+    this one once its documents are replaced by short ones, is admitted and runs. A single
+    search is priced the same way, as a batch of one: 50 hits over those documents (2.5 MB)
+    are refused, where it was admitted with nothing added; 50 over short ones are taken."""
     with redis_server(tmp_path / "redis") as base, redis.Redis.from_url(base + "/0") as r:
         url = base + "/0"
         env = stack_env(url, model.url)
@@ -235,7 +237,7 @@ def test_a_batch_s_hits_are_priced_by_what_its_index_s_documents_hold(
             celery_worker(tmp_path / "w", env, "w1"),
         ):
             ingest(client)  # the sample corpus: short documents
-            _documents("long", "chess kasparov opening " + "x" * 49_977, 20, client)
+            _documents("long", "chess kasparov opening " + "x" * 49_977, 50, client)
             limit = 20_000_000
             used = int(r.info("memory")["used_memory"])
             r.setrange("ballast", int(0.8 * limit) - used, b"x")  # grown in place
@@ -255,8 +257,20 @@ def test_a_batch_s_hits_are_priced_by_what_its_index_s_documents_hold(
             assert error["type"] == "job_store_full", error
             assert "this batch of 10 queries" in error["message"], error
             assert "index 'long'" in error["message"], error
+
+            def search(index: str) -> httpx.Response:
+                body = {"index": index, "query": "chess kasparov", "limit": 50, "rerank": False}
+                return client.post("/v1/searches", json=body, headers=ACME)
+
+            alone = search("long")
+            assert alone.status_code == 503, alone.text
+            error = alone.json()["error"]
+            assert error["type"] == "job_store_full", error
+            assert "this search" in error["message"], error
+            assert "up to 50 hits over index 'long'" in error["message"], error
+            assert search(INDEX).status_code == 202
             taken = [batch(INDEX)]
-            _documents("long", "chess kasparov opening", 20, client)  # the same ids, short
+            _documents("long", "chess kasparov opening", 50, client)  # the same ids, short
             taken.append(batch("long"))
             for answer in taken:
                 assert answer.status_code == 202, answer.text
@@ -270,12 +284,12 @@ def test_a_batch_s_hits_are_priced_by_what_its_index_s_documents_hold(
             # the figure follows every write: an upsert's, a delete's, a drop's
             size = f"{INDEX_SIZE_KEY}acme:long"
             short = len("chess kasparov opening") + len("{}")  # its text and metadata
-            assert r.hgetall(size) == {b"documents": b"20", b"bytes": b"%d" % (20 * short)}
+            assert r.hgetall(size) == {b"documents": b"50", b"bytes": b"%d" % (50 * short)}
             ids = {"ids": [f"d{i}" for i in range(10)]}
             path = "/v1/indexes/long/documents/delete"
             deleted = client.post(path, params={"wait": 30}, json=ids, headers=ACME)
             assert deleted.status_code == 200, deleted.text
-            assert r.hgetall(size) == {b"documents": b"10", b"bytes": b"%d" % (10 * short)}
+            assert r.hgetall(size) == {b"documents": b"40", b"bytes": b"%d" % (40 * short)}
             dropped = client.delete("/v1/indexes/long", params={"wait": 30}, headers=ACME)
             assert dropped.status_code == 200, dropped.text
             assert not r.exists(size)
