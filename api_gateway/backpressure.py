@@ -282,6 +282,16 @@ class StoreMemory:
         refusal names it), or raise :class:`StoreFull` (:class:`TooLargeForStore` when it
         alone would pass the share). What it admits is added to the cached reading, so the
         requests before the next reading are judged with it."""
+        await self.limited()
+        if self._limit and adding >= MEMORY_ADMITTED * self._limit:
+            raise TooLargeForStore(self._limit, adding, what)
+        if self._limit and self._used + adding >= MEMORY_ADMITTED * self._limit:
+            raise StoreFull(self._used, self._limit, adding, what)
+        self._used += adding
+
+    async def limited(self) -> bool:
+        """Whether Redis has a ``maxmemory`` to admit by, from the cached reading (read again
+        when it is ``READ_EVERY_SECONDS`` old): without one, nothing is priced."""
         now = self._clock()
         if self._read_at is None or now - self._read_at >= READ_EVERY_SECONDS:
             try:
@@ -291,8 +301,4 @@ class StoreMemory:
                     log.warning("Redis's memory is not read (%s): no admission by it", exc)
                 self._used, self._limit = 0, 0
             self._read_at = now
-        if self._limit and adding >= MEMORY_ADMITTED * self._limit:
-            raise TooLargeForStore(self._limit, adding, what)
-        if self._limit and self._used + adding >= MEMORY_ADMITTED * self._limit:
-            raise StoreFull(self._used, self._limit, adding, what)
-        self._used += adding
+        return self._limit > 0

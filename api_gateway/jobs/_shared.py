@@ -168,7 +168,11 @@ async def results_size(
     of its ``items``, a search one), each of its ``hits`` priced by its index's mean
     document as the workers recorded it (:func:`hit_bytes`; one read of Redis), and how a
     refusal names it (``what``, with the index's figures). An index of ``n`` documents
-    gives a query ``n`` hits at most, so its hits are counted up to that."""
+    gives a query ``n`` hits at most, so its hits are counted up to that. A Redis with no
+    ``maxmemory`` admits by none of it: nothing is read, 0."""
+    memory: StoreMemory | None = getattr(request.app.state, "memory", None)
+    if memory is None or not await memory.limited():
+        return 0, what
     size = await async_job_store(request).index_size(tenant, index)
     hits = hits if size is None else min(hits, len(items) * size[0])
     per_hit = hit_bytes(size)

@@ -4,6 +4,8 @@ the job store's memory admission: a batch judged with the bytes it will add."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -19,6 +21,7 @@ from api_gateway.backpressure import (
     batch_bytes,
     hit_bytes,
 )
+from api_gateway.jobs._shared import results_size
 
 
 class FakeAsyncReading:
@@ -195,3 +198,35 @@ def test_a_hit_is_priced_by_its_index_s_mean_document_or_the_fixed_size_when_unk
     assert hit_bytes((3, 10)) == HIT_OVERHEAD_BYTES + 4  # rounded up
     long = batch_bytes([("q1", "{}")], hits=100, traced=False, per_hit=hit_bytes((1, 99_000)))
     assert long > 9_900_000 > 100 * batch_bytes([("q1", "{}")], hits=100, traced=False)
+
+
+def test_a_search_or_batch_is_priced_only_when_redis_has_a_maxmemory() -> None:
+    """Without a ``maxmemory`` no admission reads the bytes a job adds, so the gateway does
+    not read its index's size from Redis for every search; with one, it does."""
+
+    class Store:
+        def __init__(self) -> None:
+            self.sizes_read = 0
+
+        async def index_size(self, tenant: str, index: str) -> tuple[int, int]:
+            self.sizes_read += 1
+            return 10, 99_000
+
+    def request(limit: int, store: Store) -> Any:
+        async def read() -> tuple[int, int]:
+            return 0, limit
+
+        state = SimpleNamespace(memory=StoreMemory(read), async_store=store)
+        return SimpleNamespace(app=SimpleNamespace(state=state))
+
+    async def scenario() -> None:
+        unlimited, limited = Store(), Store()
+        args = ("acme", "docs", [("", "{}")], 10, False, "this search")
+        assert await results_size(request(0, unlimited), *args) == (0, "this search")
+        assert unlimited.sizes_read == 0
+        adding, what = await results_size(request(1 << 30, limited), *args)
+        assert limited.sizes_read == 1
+        assert adding == batch_bytes([("", "{}")], 10, False, hit_bytes((10, 99_000)))
+        assert "index 'docs'" in what
+
+    asyncio.run(scenario())
