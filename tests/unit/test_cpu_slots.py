@@ -3,6 +3,7 @@ of the batch items waiting, which keep their own order."""
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -105,3 +106,38 @@ def test_each_wait_is_told_with_its_line() -> None:
     waiters.join()
     assert [line for line, _ in told] == ["search", "batch"]
     assert told[0][1] >= 0.0 and told[1][1] > 0.0  # the item waited for the holder's end
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_a_wait_interrupted_gives_back_the_slot_handed_to_it() -> None:
+    """A wait ended by an exception (a Ctrl-C in ``sift eval``'s main thread, here a signal's
+    handler) leaves its line: the slot freed after goes back to the free ones, where it was
+    handed to the dead waiter and lost for the process's life."""
+    slots = CpuSlots(1)
+    let_go = threading.Event()
+
+    def holder() -> None:
+        with slots:
+            _until(lambda: slots.waiting() == (1, 0))  # the main thread waits for it
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGUSR1)
+            let_go.wait()
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise _Interrupted
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    thread = threading.Thread(target=holder)
+    try:
+        thread.start()
+        _until(lambda: slots.free == 0)
+        with pytest.raises(_Interrupted):
+            slots.acquire(urgent=True)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert slots.waiting() == (0, 0)
+    let_go.set()
+    thread.join()
+    assert slots.free == 1

@@ -105,7 +105,11 @@ class CpuSlots:
                 handed.acquire()
                 line.append(handed)
         if handed is not None:
-            handed.acquire()  # released by the holder that hands its slot over
+            try:
+                handed.acquire()  # released by the holder that hands its slot over
+            except BaseException:  # a signal's handler raised (a Ctrl-C in sift eval)
+                self._leave(line, handed)
+                raise
         if self._waited is not None:
             self._waited("search" if urgent else "batch", time.monotonic() - asked)
 
@@ -118,6 +122,16 @@ class CpuSlots:
                 self.free += 1
             else:
                 raise ValueError("a CPU slot released more times than it was held")
+
+    def _leave(self, line: deque[threading.Lock], handed: threading.Lock) -> None:
+        """A waiter ended by an exception leaves its line; if a holder handed it the slot
+        meanwhile, the slot goes on to the next waiter (or back to the free ones), where it
+        was lost for the process's life."""
+        with self._lock:
+            if handed in line:
+                line.remove(handed)
+                return
+        self.release()
 
     def waiting(self) -> tuple[int, int]:
         """How many searches and how many batch items wait for a slot now."""
