@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import threading
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -225,6 +226,33 @@ def test_it_waits_for_a_redis_not_up_yet(tmp_path: Path, kind: str) -> None:
         with redis_server(tmp_path / "redis", port=port):
             service.wait_ready()
             assert proc.poll() is None
+    finally:
+        stop(proc, service.stop_timeout)
+
+
+@pytest.mark.parametrize("processes", ["2", "1"])
+def test_a_worker_serves_its_metrics_while_it_waits_for_redis(
+    tmp_path: Path, processes: str
+) -> None:
+    """``sift worker`` (its supervisor, or one process) serves ``/metrics`` while it waits for
+    its Redis, as it did while Celery waited for its broker: deploy/k8s's startupProbe reads
+    it, and killed a worker pod that waited longer than its 120 s (a Redis outage, an AOF
+    loading) into a crash loop. It served nothing until Redis answered."""
+    metrics_port = free_port()
+    env = {"SIFT_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0", "SIFT_DATA_DIR": str(tmp_path)}
+    env["SIFT_WORKER_METRICS_PORT"] = str(metrics_port)
+    env["SIFT_WORKER_PROCESSES"] = processes
+    service = _late_service("worker", tmp_path, env)
+    assert service.log is not None
+    log = service.log
+    proc = service.start()
+    try:
+        wait_until(lambda: b"waiting: cannot connect" in log.read_bytes(), "worker", proc, log)
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10)
+        assert metrics.status == 200
+        # the Deployment's liveness fails on none running: no count is given until they start
+        assert b'sift_worker_processes{state="running"} 0.0' not in metrics.read()
+        assert proc.poll() is None and b"waiting: cannot connect" in log.read_bytes()
     finally:
         stop(proc, service.stop_timeout)
 

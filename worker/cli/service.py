@@ -160,20 +160,25 @@ def worker(
         _require_metrics_dir()
         _check_backend(settings)
         shared = _share_data_dir(settings)  # what needs no Redis is checked before its wait
-        _check_redis_at_start(settings, worker=True)
     count = 1 if supervised_by else resolve_processes(settings.worker_processes)
+
+    def wait_and_check() -> None:  # once /metrics is served: the orchestrator's startup probe
+        _check_redis_at_start(settings, worker=True)
+
     if count > 1:
         args = ["--queues", queues]
         args += ["--concurrency", str(concurrency)] if concurrency is not None else []
         args += ["--pool", pool] if pool else []
         args += ["--loglevel", settings.log_level] if loglevel is not None else []
-        run_workers(settings, count, name, args)
+        run_workers(settings, count, name, args, before_start=wait_and_check)
         del shared  # held until here
         return
     if supervised_by:  # its supervisor set up the metrics files and serves them
         follow_supervisor(supervised_by)
     else:
         _single_process_metrics(settings)
+        _serve_single_process_metrics(settings)
+        wait_and_check()
     # a stop ends even on a Redis that never answers, or under items that do not end
     exit_by_deadline(settings, warming_up, items_running, tasks_running)
     run_celery_worker(create_celery_app(settings), name, queues.split(","), settings.log_level)
@@ -233,11 +238,11 @@ def _wait_for_redis(settings: Settings) -> None:
     Redis not answering for no refusal, so one started before its Redis (pods starting
     together, a Redis restarting) skipped them all: on a user without Pub/Sub channels the
     worker processes died and were restarted for good, and on an evicting Redis, or one older
-    than 7.0, the workers and the gateway ran on. A gateway serves nothing meanwhile, its
-    ``/healthz`` included, as a worker serves no ``/metrics``: an orchestrator's start-up
-    probe bounds the wait (deploy/README.md §2). A Ctrl-C meanwhile stops it with one line,
-    exit 130: nothing has been started (it ended with no word). A Redis that answers at once
-    costs one ``PING``."""
+    than 7.0, the workers and the gateway ran on. A worker serves its ``/metrics`` meanwhile
+    (an orchestrator's start-up probe reads it); a gateway serves nothing, its ``/healthz``
+    included: its start-up probe bounds the wait (deploy/README.md §2). A Ctrl-C meanwhile
+    stops it with one line, exit 130: nothing has been started (it ended with no word). A
+    Redis that answers at once costs one ``PING``."""
     from worker.redis_client import unanswered
 
     tries = 0
@@ -447,6 +452,30 @@ def _single_process_metrics(settings: Settings) -> None:
     if settings.worker_pool == "prefork" or metrics.multiprocess_dir() is not None:
         directory = metrics.multiprocess_dir() or temporary_metrics_dir()
         metrics.setup_multiprocess(directory)
+
+
+def _serve_single_process_metrics(settings: Settings) -> None:
+    """Serve a worker run as one process's ``/metrics`` before its wait for Redis, which an
+    orchestrator's startup probe reads (Celery's ``worker_init`` served it only after the
+    wait: a pod waiting past the probe's 120 s was killed). Celery's own call then finds it
+    served (:func:`~worker.observability.metrics.serve_worker_metrics` serves once)."""
+    from worker.observability.metrics import serve_worker_metrics
+
+    if not settings.worker_metrics_port:
+        return
+    try:
+        serve_worker_metrics(
+            settings.worker_metrics_port,
+            model=settings.generation_model_id,
+            backend=settings.search_backend,
+            native_fusion=settings.native_fusion,
+        )
+    except OSError as exc:
+        errors.print(
+            f"[yellow]warning:[/yellow] worker metrics not served on "
+            f":{settings.worker_metrics_port}: {plain(exc)}",
+            soft_wrap=True,
+        )
 
 
 def _check_backend(settings: Settings) -> None:

@@ -216,10 +216,19 @@ def _say(message: str) -> None:
     print(f"{stamp} sift worker: {message}", file=sys.stderr, flush=True)
 
 
-def run_workers(settings: Settings, count: int, name: str, child_args: Sequence[str]) -> None:
+def run_workers(
+    settings: Settings,
+    count: int,
+    name: str,
+    child_args: Sequence[str],
+    before_start: Callable[[], None] = lambda: None,
+) -> None:
     """Run ``count`` supervised worker processes until SIGTERM or SIGINT, then stop them all.
 
-    ``child_args`` are the ``sift worker`` options each child gets besides its name."""
+    ``child_args`` are the ``sift worker`` options each child gets besides its name.
+    ``before_start`` (``sift worker``'s wait for its Redis and its start checks) runs once
+    ``/metrics`` is served and before any process starts: a pod waiting for its Redis passes
+    its startup probe (it served nothing until Redis answered, and was killed past 120 s)."""
     from worker.observability import metrics
 
     created = None
@@ -251,11 +260,12 @@ def run_workers(settings: Settings, count: int, name: str, child_args: Sequence[
         supervisor.stop_watching()
         signals.put(signum)
 
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, on_signal)
     try:
         if settings.worker_metrics_port:
             _serve_metrics(settings)
+        before_start()  # its own Ctrl-C: our handlers are not set yet
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, on_signal)
         for service in services:
             service.start()
             supervisor.watch(service)

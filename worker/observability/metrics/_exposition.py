@@ -46,6 +46,9 @@ def start_worker_metrics_server(port: int, addr: str = "0.0.0.0") -> tuple[WSGIS
     return server, thread
 
 
+_serving: list[int] = []  # the port this process serves /metrics on, once it does
+
+
 def serve_worker_metrics(
     port: int, *, model: str | None, backend: str, native_fusion: bool
 ) -> None:
@@ -53,7 +56,10 @@ def serve_worker_metrics(
     every series it will write created at zero, then ``/metrics`` served on ``port``. The
     model's and the backend's series too: a rate or an increase over a series that first
     appears at its first event would miss that event. Raises :class:`OSError` when the port
-    cannot be bound."""
+    cannot be bound. Once a process: ``sift worker`` run as one process serves it before its
+    wait for Redis, and Celery's ``worker_init`` calls again after it (a second bind failed)."""
+    if _serving:
+        return
     preregister(
         models=[model] if model else [],
         backend=backend,
@@ -61,6 +67,7 @@ def serve_worker_metrics(
         native_fusion=native_fusion,
     )
     start_worker_metrics_server(port)
+    _serving.append(port)
 
 
 def snapshot(
