@@ -6,9 +6,11 @@ uvicorn --factory api_gateway.app:serve --port 8080   # what `sift gateway` runs
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import redis
@@ -64,14 +66,50 @@ async def keep_the_clock(store: AsyncJobStore) -> None:
         await read_the_clock(store)
 
 
+#: What ``/readyz`` answers (503) while ``sift gateway`` waits for its Redis and its start checks
+STARTING = (
+    "the gateway is starting: waiting for its Redis (SIFT_REDIS_URL) to answer and pass "
+    "the start checks (its version, maxmemory-policy, AOF)"
+)
+
+
+async def ready_after(app: FastAPI, start_checks: Callable[[], bool], store: AsyncJobStore) -> None:
+    """Keep ``/readyz`` at 503 (``app.state.starting``) until ``start_checks`` passes (true),
+    then read Redis's clock and be ready. The checks wait for a Redis not answering, for as
+    long as it takes, so they run on a daemon thread of their own: the gateway serves
+    ``/healthz`` meanwhile, which an orchestrator's liveness and startup probes read (it
+    served nothing, and was restarted past 120 s into a crash loop), and a stop meanwhile
+    ends the process without waiting for them. A refusal (false) leaves it not ready: its
+    caller has said why and stops it."""
+    loop = asyncio.get_running_loop()
+    passed: asyncio.Future[bool] = loop.create_future()
+
+    def settle(ok: bool) -> None:
+        if not passed.done():  # the task may be canceled: the gateway stopping
+            passed.set_result(ok)
+
+    def run() -> None:
+        ok = start_checks()
+        with contextlib.suppress(RuntimeError):  # the loop closed: the gateway stopped
+            loop.call_soon_threadsafe(settle, ok)
+
+    threading.Thread(target=run, name="sift-start-checks", daemon=True).start()
+    if await passed:
+        await read_the_clock(store, FIRST_READINGS)  # on the Redis that now answers
+        app.state.starting = None
+
+
 def create_app(
     settings: Settings | None = None,
     *,
     redis: redis.Redis | None = None,
     async_redis: redis.asyncio.Redis | None = None,
+    start_checks: Callable[[], bool] | None = None,
 ) -> FastAPI:
     """Build the gateway. ``redis`` with ``async_redis`` (the same server; the submission
-    hot path runs on the asyncio client) replace the real clients in tests."""
+    hot path runs on the asyncio client) replace the real clients in tests. With
+    ``start_checks`` (``sift gateway``'s wait for its Redis and its checks of it), the gateway
+    is live at once and ready once they pass (:func:`ready_after`)."""
     settings = settings or load_settings()
     keyring = KeyRing(settings.all_api_keys())
     ensure_multiprocess_dir()  # deploy/k8s's emptyDir /tmp hides the image's folder
@@ -98,11 +136,17 @@ def create_app(
         # webhook URLs' name lookups at registration, on threads of their own (api_gateway/jobs/)
         app.state.lookups = LookupThreads(LOOKUP_THREADS, "sift-gateway-dns")
         # a job's created_at on Redis's clock, which the workers time its start and end on
-        await read_the_clock(async_store, FIRST_READINGS)
+        checked = None
+        if start_checks is None:
+            await read_the_clock(async_store, FIRST_READINGS)
+        else:
+            checked = asyncio.create_task(ready_after(app, start_checks, async_store))
         clock_keeper = asyncio.create_task(keep_the_clock(async_store))
         try:
             yield
         finally:
+            if checked is not None:
+                checked.cancel()
             clock_keeper.cancel()
             await stop_retakes(app.state.retakes)
             app.state.lookups.close()
@@ -127,6 +171,7 @@ def create_app(
     app.router.route_class = GetAnswersHead  # the routers' own are too: HEAD wherever GET
     preregister(queues=ALL_QUEUES)
     app.state.settings = settings
+    app.state.starting = None if start_checks is None else STARTING  # /readyz's 503 till then
     app.state.keyring = keyring
     app.state.metrics = metrics
     install_error_handlers(app)
@@ -151,12 +196,13 @@ def create_app(
     return app
 
 
-def serve() -> FastAPI:
-    """The app of a gateway process (``sift gateway``): :func:`create_app`, then what was
-    built so far (the imports: some 80k objects) frozen out of the garbage collector's
-    sight. A full collection then scans only what requests allocate, instead of stalling
-    every request in flight for ~30 ms (the benchmark's p99 went from 72 to 14 ms)."""
-    app = create_app()
+def serve(start_checks: Callable[[], bool] | None = None) -> FastAPI:
+    """The app of a gateway process (``sift gateway``, which passes its ``start_checks``):
+    :func:`create_app`, then what was built so far (the imports: some 80k objects) frozen out
+    of the garbage collector's sight. A full collection then scans only what requests
+    allocate, instead of stalling every request in flight for ~30 ms (the benchmark's p99
+    went from 72 to 14 ms)."""
+    app = create_app(start_checks=start_checks)
     gc.collect()
     gc.freeze()
     return app

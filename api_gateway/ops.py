@@ -1,5 +1,6 @@
-"""The operations routes: ``/healthz`` (the process is up), ``/readyz`` (Redis answers) and
-``/metrics`` (Prometheus), outside ``/v1`` and without the request checks."""
+"""The operations routes: ``/healthz`` (the process is up), ``/readyz`` (Redis answers, and
+``sift gateway``'s start checks of it have passed) and ``/metrics`` (Prometheus), outside
+``/v1`` and without the request checks."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from api_gateway.auth import require_metrics_token
-from api_gateway.errors import ErrorBody
+from api_gateway.errors import UNAVAILABLE_RETRY_AFTER, ErrorBody, error_response
 from api_gateway.metrics import GatewayMetrics
 from api_gateway.routing import GetAnswersHead
 from api_gateway.schemas import Health
-from worker.constants import ALL_QUEUES
+from worker.constants import ALL_QUEUES, ERROR_UNAVAILABLE
 from worker.observability.metrics import (
     JOBS_IN_FLIGHT,
     job_store_unread,
@@ -51,6 +52,8 @@ async def healthz() -> Health:
     summary="Redis answers",
 )
 async def readyz(request: Request) -> Response:
+    if (starting := request.app.state.starting) is not None:  # sift gateway's start checks
+        return error_response(503, ERROR_UNAVAILABLE, starting, headers=UNAVAILABLE_RETRY_AFTER)
     store: JobStore = request.app.state.store
     try:
         await run_in_threadpool(store.ping)

@@ -456,24 +456,6 @@ def test_workloads_have_probes_resources_and_run_as_non_root(
     assert service["spec"]["selector"] == {"app.kubernetes.io/name": "sift-gateway"}
 
 
-def test_the_gateway_s_wait_for_redis_is_bounded_as_the_worker_s(
-    manifests: tuple[str, list[dict[str, Any]]],
-) -> None:
-    """``sift gateway`` waits for its Redis before serving (its start checks read it), as
-    ``sift worker`` does: its liveness probe alone (10 s, then 6 misses of 10 s) would restart a
-    gateway waiting a minute. A startup probe on ``/healthz`` gates the liveness and gives the
-    gateway the worker's budget (24 tries, 5 s apart), after which the kubelet restarts it."""
-    docs = by_kind(manifests[1])
-    probes = {}
-    for name in ("sift-gateway", "sift-worker"):
-        (container,) = docs["Deployment", name]["spec"]["template"]["spec"]["containers"]
-        probes[name] = container["startupProbe"]
-    gateway = probes["sift-gateway"]
-    assert gateway["httpGet"]["path"] == "/healthz", gateway
-    budget = {name: p["periodSeconds"] * p["failureThreshold"] for name, p in probes.items()}
-    assert budget["sift-gateway"] == budget["sift-worker"], budget
-
-
 def test_the_worker_runs_one_process_per_requested_cpu(
     manifests: tuple[str, list[dict[str, Any]]],
 ) -> None:

@@ -21,6 +21,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 
@@ -212,7 +213,10 @@ def test_it_waits_for_a_redis_not_up_yet(tmp_path: Path, kind: str) -> None:
     """The check of the database refuses only what Redis says: a Redis not answering yet (a
     deployment whose workers or gateways start first) is waited for, as Celery waits for its
     broker, and said so (before the start checks, which need it); then it starts. The gateway
-    started at once and checked nothing of the Redis (its version, its policy, its AOF)."""
+    started at once and checked nothing of the Redis (its version, its policy, its AOF). While
+    it waits the gateway is live and not ready: ``/healthz`` 200 (an orchestrator's liveness
+    and startup probes pass, where it served nothing and was restarted into a crash loop past
+    120 s) and ``/readyz`` 503 naming the wait, until Redis answers and the checks pass."""
     port = free_port()
     env = {"SIFT_REDIS_URL": f"redis://127.0.0.1:{port}/3", "SIFT_WORKER_METRICS_PORT": "0"}
     env["SIFT_DATA_DIR"] = str(tmp_path / "data")
@@ -223,6 +227,14 @@ def test_it_waits_for_a_redis_not_up_yet(tmp_path: Path, kind: str) -> None:
         log = service.log
         waiting = b"waiting: cannot connect to the Redis of SIFT_REDIS_URL"
         wait_until(lambda: waiting in log.read_bytes(), kind, proc, log)
+        if kind == "gateway":
+            url = f"http://127.0.0.1:{service.port}"
+            live = lambda: httpx.get(url + "/healthz", timeout=1).status_code == 200  # noqa: E731
+            wait_until(live, "its /healthz", proc, log)  # uvicorn binds once its app is up
+            ready = httpx.get(url + "/readyz", timeout=10)
+            assert ready.status_code == 503, ready.text
+            assert "waiting for its Redis" in ready.json()["error"]["message"], ready.text
+            assert "start checks" in ready.json()["error"]["message"], ready.text
         with redis_server(tmp_path / "redis", port=port):
             service.wait_ready()
             assert proc.poll() is None
@@ -260,8 +272,9 @@ def test_a_worker_serves_its_metrics_while_it_waits_for_redis(
 @pytest.mark.parametrize("kind", ["worker", "gateway", "up"])
 def test_a_ctrl_c_while_it_waits_for_redis_says_so(tmp_path: Path, kind: str) -> None:
     """Ctrl-C while ``sift worker``, ``sift gateway`` or ``sift up`` waits for its Redis:
-    nothing was started yet, and one line says so, exit 130 (it ended with no word: ``sift
-    up``'s own Ctrl-C line, "interrupted while starting", comes once it starts processes)."""
+    nothing was started yet (the gateway, live meanwhile, was never ready), and one line says
+    so, exit 130 (it ended with no word: ``sift up``'s own Ctrl-C line, "interrupted while
+    starting", comes once it starts processes)."""
     env = {"SIFT_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0", "COLUMNS": "200"}
     env.update(SIFT_WORKER_METRICS_PORT="0", SIFT_DATA_DIR=str(tmp_path / "data"))
     service = _late_service(kind, tmp_path, env)
@@ -276,7 +289,8 @@ def test_a_ctrl_c_while_it_waits_for_redis_says_so(tmp_path: Path, kind: str) ->
         stop(proc, service.stop_timeout)
     said = log.read_text(errors="replace")
     assert code == 130, said[-3000:]
-    assert "interrupted while waiting for Redis; nothing was started" in said, said[-3000:]
+    stopped = "the gateway stopped, never ready" if kind == "gateway" else "nothing was started"
+    assert f"interrupted while waiting for Redis; {stopped}" in said, said[-3000:]
     assert "Traceback" not in said, said[-3000:]
 
 

@@ -68,6 +68,8 @@ DEV_KEY_FILE = "dev-api-key.json"  # in the data folder: the development key and
 # one (httpx: 5 s; nginx upstream pools: 60 s), so a client never reuses a connection the
 # gateway is closing (uvicorn's own 5 s raced httpx's: a request sent then had no answer)
 GATEWAY_KEEP_ALIVE_SECONDS = 75
+# How `sift gateway` ends when uvicorn could not start (a port taken), as uvicorn.run does
+UVICORN_STARTUP_FAILURE = 3
 
 
 @app.command("gateway")
@@ -80,16 +82,44 @@ def gateway(
     """Run one gateway (one uvicorn process), for deployment; scale with replicas."""
     import uvicorn
 
+    from api_gateway.app import serve
+
     overrides = {} if port is None else {"gateway_port": port}
     settings = _settings(options=("gateway_port",), **overrides)
     _require_redis(settings, "the gateway")
     _require_api_keys(settings)  # needs no Redis: checked before its wait
-    _check_redis_at_start(settings, worker=False)
-    uvicorn.run(
-        "api_gateway.app:serve", factory=True, host=host, port=settings.gateway_port,
+    checked: list[int] = []  # the start checks' end: 0 passed, else the exit status
+    if _redis_answers(settings):  # checked before anything is served: a refusal is one line
+        _check_redis_at_start(settings, worker=False)
+        checked.append(0)
+
+    def start_checks() -> bool:
+        """Wait for Redis and check it (on the app's thread, the gateway live meanwhile and
+        ready once they pass): a refusal, its error line said, stops the gateway with it."""
+        try:
+            _check_redis_at_start(settings, worker=False)
+        except typer.Exit as refused:
+            checked.append(refused.exit_code)
+            server.should_exit = True
+            return False
+        checked.append(0)
+        return True
+
+    in_background = None if checked else start_checks  # a Redis not answering yet: waited for
+    server = uvicorn.Server(uvicorn.Config(
+        lambda: serve(in_background), factory=True, host=host, port=settings.gateway_port,
         access_log=False, log_level=settings.log_level.lower(),
         timeout_keep_alive=GATEWAY_KEEP_ALIVE_SECONDS,
-    )  # fmt: skip
+    ))  # fmt: skip
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn's own stop, as uvicorn.run's
+        server.run()
+    if checked and checked[0]:
+        raise typer.Exit(checked[0])
+    if not server.started:
+        raise typer.Exit(UVICORN_STARTUP_FAILURE)
+    if not checked:  # a Ctrl-C (or uvicorn's stop) before Redis answered and was checked
+        errors.print("interrupted while waiting for Redis; the gateway stopped, never ready")
+        raise typer.Exit(EXIT_INTERRUPTED)
 
 
 def _known_queues(value: str) -> str:
@@ -220,6 +250,14 @@ def _require_redis(settings: Settings, what: str) -> None:
 START_WAIT_PAUSES = (0.5, 1.0, 2.0, 5.0)
 
 
+def _redis_answers(settings: Settings) -> bool:
+    """Whether the Redis of ``SIFT_REDIS_URL`` answers now (one ``PING``)."""
+    from worker.redis_client import unanswered
+
+    url = settings.redis_url
+    return url is not None and not unanswered(url)
+
+
 def _check_redis_at_start(settings: Settings, *, worker: bool) -> None:
     """The start checks of the Redis a gateway or the workers (``worker``: ``sift worker``,
     ``sift up`` on ``SIFT_REDIS_URL``) run on, once it answers (:func:`_wait_for_redis`): each
@@ -238,11 +276,12 @@ def _wait_for_redis(settings: Settings) -> None:
     Redis not answering for no refusal, so one started before its Redis (pods starting
     together, a Redis restarting) skipped them all: on a user without Pub/Sub channels the
     worker processes died and were restarted for good, and on an evicting Redis, or one older
-    than 7.0, the workers and the gateway ran on. A worker serves its ``/metrics`` meanwhile
-    (an orchestrator's start-up probe reads it); a gateway serves nothing, its ``/healthz``
-    included: its start-up probe bounds the wait (deploy/README.md §2). A Ctrl-C meanwhile
-    stops it with one line, exit 130: nothing has been started (it ended with no word). A
-    Redis that answers at once costs one ``PING``."""
+    than 7.0, the workers and the gateway ran on. A worker serves its ``/metrics`` meanwhile,
+    and a gateway its ``/healthz`` (``/readyz`` 503 until the checks pass: it waits on a
+    thread of its own), which an orchestrator's probes read: a pod waiting past its start-up
+    probe was restarted into a crash loop. A Ctrl-C meanwhile stops a worker with one line,
+    exit 130: nothing has been started (it ended with no word). A Redis that answers at once
+    costs one ``PING``."""
     from worker.redis_client import unanswered
 
     tries = 0
