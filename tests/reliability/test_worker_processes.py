@@ -329,6 +329,46 @@ def test_a_stop_on_a_hung_redis_ends_every_worker_process(
         assert "every worker process stopped, 2 of them at the stop deadline" in output
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("pause", [0.0, 0.02])
+def test_a_process_killed_just_before_the_stop_is_named_as_it_ended(
+    tmp_path: Path, pause: float
+) -> None:
+    """``sift worker --processes 2`` at the defaults: one process SIGKILLed (the OOM killer)
+    and the supervisor SIGTERMed right after (``pause``), before its 0.5 s look saw the
+    death. Whichever way the two meet, the kill is said and never taken for the stop
+    deadline's: dead before the stop, through the supervisor's own exit line (and its
+    metric), the stop clean (exit 0); dead during it, named killed during the stop, the
+    stop not clean (exit 3, as a process cut short makes it). Before, one dead but not seen
+    yet was left out (exit 0, no word of it), and one killed but not yet dead was counted
+    as cut off at the stop deadline (exit 3), which the supervisor never reached."""
+    redis_service_, redis_url = redis_service(tmp_path / "redis")
+    with running(redis_service_):
+        env = child_env({"SIFT_REDIS_URL": redis_url + "/0", "SIFT_WORKER_METRICS_PORT": "0",
+                         "SIFT_DATA_DIR": str(tmp_path / "data")}, inherit_sift=False)  # fmt: skip
+        service = worker_service(tmp_path / "w", env, "duo", processes=2, queues="sift.webhooks")
+        proc = service.start()
+        workers = Workers(proc, tmp_path / "w" / "duo.log", tmp_path, 0)
+        try:
+            wait_for(lambda: workers.output().count(" ready.") >= 2, "both workers ready", 120)
+            os.kill(workers.children()["duo-1"], signal.SIGKILL)
+            time.sleep(pause)
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(120)
+        finally:
+            stop(proc, timeout=5)
+    output = workers.output()
+    assert "stop deadline" not in output, output[-3000:]
+    if "killed during the stop" in output:
+        assert code == STOP_DEADLINE_STATUS, output[-3000:]
+        line = "worker duo-1 did not finish its warm shutdown: killed during the stop (exit "
+        assert line + f"status {-signal.SIGKILL})" in output, output[-3000:]
+    else:
+        assert code == 0, output[-3000:]
+        assert f"worker duo-1 exited with status {-signal.SIGKILL}" in output, output[-3000:]
+        assert "every worker process stopped" in output, output[-3000:]
+
+
 def _processes_and_restarts(port: int) -> dict[str, float]:
     """The supervisor's own series on its ``/metrics``: ``running``, ``expected``, and the
     restarts by cause (each key missing while its series is)."""

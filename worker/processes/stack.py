@@ -674,6 +674,16 @@ class Supervisor:
         if self._thread is not None:
             self._thread.join(timeout=10)
 
+    def note_exits(self) -> None:
+        """Say each exit not seen yet, as a look would (its line and ``on_exit``), without a
+        restart: for a stop, once the thread is joined. A process that died since the last
+        look (up to :attr:`poll_seconds` before) was left out of the stop without a word."""
+        for watched in self._watched:
+            service, proc = watched.service, watched.service.proc
+            if watched.restart_at is None and proc is not None and proc.poll() is not None:
+                self._hook(self.on_exit, service)
+                self._say(service, f"{service.name} exited with status {proc.returncode}")
+
     def _run(self) -> None:
         while not self._closed.wait(self.poll_seconds):
             for watched in self._watched:

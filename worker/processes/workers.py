@@ -39,7 +39,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 
 from worker.constants import BATCH_CHUNK_TASK, WARM_UP_STOP_WAIT_SECONDS
@@ -280,20 +281,21 @@ def run_workers(
         )  # fmt: skip
         _say(f"{why}: stopping {count} worker processes")
         # a process already down (killed, waiting out its restart's back-off) had no warm
-        # shutdown to finish: not counted as cut short at the deadline
-        down = [s for s in services if s.proc is None or s.proc.poll() is not None]
+        # shutdown to finish: not counted; one dead since the supervisor's last look is said
+        supervisor.note_exits()
+        down = [s for s in services if s.proc is None or s.proc.returncode is not None]
         _forward(services, signal.SIGTERM)  # the first stop, however asked: see _as_child_stop
         kill_at = time.monotonic() + supervisor_stop_deadline(settings)
         done = lambda: _all_exited(services) or time.monotonic() >= kill_at  # noqa: E731
         while (more := _next_signal(signals, done)) is not None:
             _forward(services, _as_child_stop(more))
-        _kill_left(services, supervisor_stop_deadline(settings))
+        killed = _kill_left(services, supervisor_stop_deadline(settings))
         for service in services:
             _dead(service)
-        cut = _cut_short([s for s in services if s not in down])
+        cut = _cut_short([s for s in services if s not in down], killed)
         if cut:
-            _say(f"every worker process stopped, {cut} of them at the stop deadline (what "
-                 "they held comes back as a killed worker's does)")  # fmt: skip
+            _say(f"every worker process stopped, {_counted_cuts(cut)} (what they held comes "
+                 "back as a killed worker's does)")  # fmt: skip
             raise SystemExit(STOP_DEADLINE_STATUS)
         if first == REFUSED:
             _say("every worker process stopped, one having refused to start (its error line "
@@ -305,17 +307,58 @@ def run_workers(
             shutil.rmtree(created, ignore_errors=True)
 
 
-def _cut_short(services: Sequence[Service]) -> int:
-    """How many of the stopped ``services`` did not end their warm shutdown: exited at their
-    stop deadline (:data:`STOP_DEADLINE_STATUS`) or SIGKILLed past it. Each gets a line; the
-    supervisor said ``every worker process stopped`` and exited 0, as after a clean stop."""
-    cut = 0
+AT_THE_DEADLINE = "at the stop deadline"
+KILLED_DURING_THE_STOP = "killed during the stop"
+# what a process told to stop dies of as asked: Celery's warm and cold shutdowns handle
+# them, but a process still importing, with no handler yet, dies of the signal itself
+ASKED_TO_STOP = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGQUIT})
+
+
+def stop_outcome(code: int | None, killed_by_us: bool) -> str | None:
+    """How a worker process told to stop ended, when not as asked: at the stop deadline (its
+    own, exit :data:`STOP_DEADLINE_STATUS`, or the supervisor's SIGKILL past it,
+    ``killed_by_us``), or killed during the stop by a signal no one asked it to stop with
+    (the OOM killer's SIGKILL). Every SIGKILL was counted as the deadline's, one the
+    supervisor never sent too (the OOM killer's, striking as the stop began).
+
+    >>> stop_outcome(0, False), stop_outcome(1, False), stop_outcome(-15, False)
+    (None, None, None)
+    >>> stop_outcome(3, False), stop_outcome(-9, True)
+    ('at the stop deadline', 'at the stop deadline')
+    >>> stop_outcome(-9, False), stop_outcome(-11, False)
+    ('killed during the stop', 'killed during the stop')
+    """
+    if code == STOP_DEADLINE_STATUS or killed_by_us:
+        return AT_THE_DEADLINE
+    if code is not None and code < 0 and -code not in ASKED_TO_STOP:
+        return KILLED_DURING_THE_STOP
+    return None
+
+
+def _cut_short(services: Sequence[Service], killed: Collection[Service]) -> Counter[str]:
+    """How the stopped ``services`` that did not end their warm shutdown ended
+    (:func:`stop_outcome`; ``killed``: those the supervisor SIGKILLed), counted by how. Each
+    gets a line; the supervisor said ``every worker process stopped`` and exited 0, as after
+    a clean stop."""
+    cut: Counter[str] = Counter()
     for service in services:
         code = service.proc.returncode if service.proc is not None else None
-        if code in (STOP_DEADLINE_STATUS, -signal.SIGKILL):
-            cut += 1
-            _say(f"{service.name} did not finish its warm shutdown (exit status {code})")
+        if how := stop_outcome(code, service in killed):
+            cut[how] += 1
+            _say(
+                f"{service.name} did not finish its warm shutdown"
+                + ("" if how == AT_THE_DEADLINE else f": {how}")
+                + f" (exit status {code})"
+            )
     return cut
+
+
+def _counted_cuts(cut: Counter[str]) -> str:
+    """The stop's cuts in words: ``2 of them at the stop deadline, 1 killed during the stop``."""
+    return ", ".join(
+        f"{n} of them {how}" if i == 0 else f"{n} {how}"
+        for i, (how, n) in enumerate(sorted(cut.items()))
+    )
 
 
 def _next_signal(signals: queue.SimpleQueue[int], done: Callable[[], bool]) -> int | None:
@@ -343,14 +386,18 @@ def _forward(services: Sequence[Service], signum: int) -> None:
                 service.proc.send_signal(signum)
 
 
-def _kill_left(services: Sequence[Service], waited: float) -> None:
-    """SIGKILL the process group of every child still running (each leads its own)."""
+def _kill_left(services: Sequence[Service], waited: float) -> list[Service]:
+    """SIGKILL the process group of every child still running (each leads its own); the
+    services killed."""
+    killed = []
     for service in services:
         if service.proc is not None and service.proc.poll() is None:
             _say(f"{service.name} not stopped after {waited:g} s: killing it")
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(service.proc.pid, signal.SIGKILL)
             service.proc.wait()
+            killed.append(service)
+    return killed
 
 
 def _all_exited(services: Sequence[Service]) -> bool:
