@@ -387,6 +387,32 @@ def test_a_redis_older_than_7_is_one_line_naming_its_version(
     assert "Traceback" not in said and len(said.strip().splitlines()) == 1, said
 
 
+def _without_sift(tmp_path: Path, **more: str) -> dict[str, str]:
+    """This environment without its ``SIFT_`` variables, with ``more`` and a data folder."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SIFT_")}
+    env.update(SIFT_DATA_DIR=str(tmp_path / "data"), SIFT_GATEWAY_PORT=str(free_port()),
+               SIFT_WORKER_METRICS_PORT="0", SIFT_WORKER_PROCESSES="1", COLUMNS="200",
+               **more)  # fmt: skip
+    return env
+
+
+@pytest.mark.timeout(180)
+def test_a_process_of_sift_up_that_refuses_its_first_start_stops_it_with_exit_2(
+    tmp_path: Path,
+) -> None:
+    """``sift up`` whose worker refuses to start (exit 2: ``SIFT_WORKER_POOL=prefork`` at the
+    threads pool's concurrency) the first time: ``sift up`` stops, exit 2, naming it and
+    the worker's error line, as for a refusal after its start. It exited 1, "worker exited
+    early (exit status 2)" and the worker's log tail."""
+    env = _without_sift(tmp_path, SIFT_WORKER_POOL="prefork")
+    ran = subprocess.run([SIFT, "up"], env=env, capture_output=True, text=True, timeout=150,
+                         check=False)  # fmt: skip
+    said = ran.stdout + ran.stderr
+    assert ran.returncode == 2, said
+    assert "worker refused to start (SIFT_WORKER_POOL=prefork" in said, said
+    assert "every process stopped" in said and "Traceback" not in said, said
+
+
 def test_an_evicting_policy_without_a_maxmemory_is_warned_of_not_refused(tmp_path: Path) -> None:
     """``allkeys-lru`` with ``maxmemory 0`` (Redis's default: no limit) evicts nothing, so it
     loses no job: the gateway and the worker start, and each says once that a ``maxmemory``

@@ -36,6 +36,7 @@ from worker.errors import ConfigError, SiftError
 from worker.processes.stack import (
     Service,
     StartInterrupted,
+    StartRefused,
     Supervisor,
     adopt_logs,
     check_port_free,
@@ -847,7 +848,9 @@ def _start(
     on_refused: Callable[[Service], None] | None = None,
 ) -> LocalStack:
     """Start the stack; a Ctrl-C while it starts (``cancel`` set) stops what was started and
-    exits 130 with one line, not the log tail of a process that the Ctrl-C reached too."""
+    exits 130 with one line, not the log tail of a process that the Ctrl-C reached too. A
+    refusal (a process's exit 2) is one line, exit 2, as a process's refusal once the stack
+    runs: it exited 1 with the process's log tail."""
     try:
         with errors.status("starting redis, a worker and the gateway…"):  # stdout: the report
             return stack.enter_context(local_stack(settings, report, cancel, on_refused))
@@ -855,6 +858,8 @@ def _start(
         if cancel is not None and cancel.is_set():
             errors.print("interrupted while starting; every process stopped")
             raise typer.Exit(EXIT_INTERRUPTED) from error
+        if isinstance(error, StartRefused):
+            _stop(f"{plain(error)}; every process stopped")
         _stop(plain(error, lines=True), 1)  # a process's log tail: its lines kept
 
 

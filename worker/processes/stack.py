@@ -138,6 +138,12 @@ class StartInterrupted(Exception):
     """The start was called off (Ctrl-C while a process warmed up): nothing failed."""
 
 
+class StartRefused(RuntimeError):
+    """A process of the stack refused to start (exit :data:`REFUSED_STATUS`, its reason on
+    its ``error:`` line): what the user must change, which no restart does (its command
+    exits 2, as after a start)."""
+
+
 def wait_until(
     check: Callable[[], object],
     what: str,
@@ -155,6 +161,8 @@ def wait_until(
         if cancel is not None and cancel.is_set():
             raise StartInterrupted(what)
         if proc.poll() is not None:
+            if proc.returncode == REFUSED_STATUS and (why := refusal_line(log, offset)):
+                raise StartRefused(f"{what} refused to start ({why})")
             raise RuntimeError(
                 f"{what} exited early ({_exit_status(proc.returncode)}):\n{_log_tail(log, offset)}"
             )
