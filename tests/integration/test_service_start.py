@@ -12,11 +12,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +25,8 @@ import httpx
 import pytest
 import redis
 
+from tests import redis6
+from tests.redis6 import proxy_saying_version_6
 from worker.processes.stack import (
     Service,
     child_env,
@@ -325,36 +327,9 @@ def test_an_evicting_redis_is_one_line_naming_its_policy(
 @contextlib.contextmanager
 def _redis_saying_version_6(port: int) -> Iterator[str]:
     """A TCP proxy to the redis-server on ``port`` whose ``INFO`` says ``redis_version:6.``
-    where Redis said ``7.`` (the same length: the reply's framing holds); every other byte
-    passes as it is. The machine's apt has no Redis 6 to run. A connection made while nothing
-    listens on ``port`` (a Redis not up yet) is closed at once, as one not answering."""
+    (:func:`tests.redis6.proxy_saying_version_6`)."""
     listener = socket.create_server(("127.0.0.1", 0))
-    links: list[socket.socket] = []
-
-    def pipe(src: socket.socket, dst: socket.socket, rewrite: bool) -> None:
-        with contextlib.suppress(OSError):
-            while data := src.recv(65536):
-                dst.sendall(
-                    data.replace(b"redis_version:7.", b"redis_version:6.") if rewrite else data
-                )
-        for sock in (src, dst):
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-
-    def accept() -> None:
-        with contextlib.suppress(OSError):
-            while True:
-                down, _ = listener.accept()
-                try:
-                    up = socket.create_connection(("127.0.0.1", port))
-                except OSError:  # Redis not up yet: as if it did not answer
-                    down.close()
-                    continue
-                links.extend([down, up])
-                threading.Thread(target=pipe, args=(down, up, False), daemon=True).start()
-                threading.Thread(target=pipe, args=(up, down, True), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
+    links = proxy_saying_version_6(listener, port)
     try:
         yield f"redis://127.0.0.1:{listener.getsockname()[1]}"
     finally:
@@ -394,6 +369,30 @@ def _without_sift(tmp_path: Path, **more: str) -> dict[str, str]:
                SIFT_WORKER_METRICS_PORT="0", SIFT_WORKER_PROCESSES="1", COLUMNS="200",
                **more)  # fmt: skip
     return env
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("command", ["up", "demo"])
+def test_its_own_redis_older_than_7_is_one_line_naming_it(tmp_path: Path, command: str) -> None:
+    """``sift up`` and ``sift demo`` start a ``redis-server`` of their own: the machine's,
+    which a distribution's apt makes Redis 6 (Ubuntu 22.04, Debian 11). Each stops, exit 2,
+    one line naming the binary, its version and 7.0. Before, its worker refused the Redis and
+    it exited 1 naming SIFT_REDIS_URL, which no one had set ("worker exited early")."""
+    real = shutil.which("redis-server")
+    assert real is not None
+    fake = tmp_path / "bin" / "redis-server"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\nexec {sys.executable} {redis6.__file__} {real} "$@"\n')
+    fake.chmod(0o755)
+    env = _without_sift(tmp_path, PATH=f"{fake.parent}:{os.environ['PATH']}")
+    ran = subprocess.run([SIFT, command], env=env, capture_output=True, text=True, timeout=150,
+                         check=False)  # fmt: skip
+    said = ran.stdout + ran.stderr
+    assert ran.returncode == 2, said
+    error = [line for line in said.splitlines() if line.startswith("error:")]
+    assert len(error) == 1, said
+    assert str(fake) in error[0] and "Redis 6." in error[0] and "7.0" in error[0], said
+    assert "SIFT_REDIS_URL" not in said and "Traceback" not in said, said
 
 
 @pytest.mark.timeout(180)

@@ -47,6 +47,7 @@ from worker.processes.stack import (
     gateway_service,
     holds_data_dir,
     redis_service,
+    require_redis_7,
     running,
     share_data_dir,
     sift_command,
@@ -779,6 +780,7 @@ def local_stack(
             redis.follow = True  # each process of the stack stops when sift up dies, even
             # SIGKILLed (it was left running, orphaned, its data folder's lock let go)
             stack.enter_context(running(redis, cancel))
+            require_redis_7(redis, url)  # the machine's: apt's may be 6
             services.append(redis)
             redis_url = extra["SIFT_REDIS_URL"] = url + "/0"
         told = data_dir / STACK_REDIS_FILE  # for `sift status` (stack_redis_url)
@@ -849,8 +851,8 @@ def _start(
 ) -> LocalStack:
     """Start the stack; a Ctrl-C while it starts (``cancel`` set) stops what was started and
     exits 130 with one line, not the log tail of a process that the Ctrl-C reached too. A
-    refusal (a process's exit 2) is one line, exit 2, as a process's refusal once the stack
-    runs: it exited 1 with the process's log tail."""
+    refusal (a process's exit 2, or its own redis-server too old) is one line, exit 2, as a
+    process's refusal once the stack runs: it exited 1 with the process's log tail."""
     try:
         with errors.status("starting redis, a worker and the gateway…"):  # stdout: the report
             return stack.enter_context(local_stack(settings, report, cancel, on_refused))

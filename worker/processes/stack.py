@@ -140,8 +140,8 @@ class StartInterrupted(Exception):
 
 class StartRefused(RuntimeError):
     """A process of the stack refused to start (exit :data:`REFUSED_STATUS`, its reason on
-    its ``error:`` line): what the user must change, which no restart does (its command
-    exits 2, as after a start)."""
+    its ``error:`` line), or the stack refused one (its own ``redis-server`` too old): what
+    the user must change, which no restart does (its command exits 2, as after a start)."""
 
 
 def wait_until(
@@ -386,6 +386,21 @@ def redis_service(
     service = Service("redis-server", command, log, None, ready=ping, own_group=True,
                       port=port)  # fmt: skip
     return service, url
+
+
+def require_redis_7(service: Service, url: str) -> None:
+    """Raise :class:`StartRefused` naming the binary, its version and 7.0 when the
+    ``redis-server`` just started (``sift up``'s and ``sift demo``'s own, at ``url``) is
+    older than Sift needs: a distribution's apt installs Redis 6 (Ubuntu 22.04, Debian 11),
+    whose refusal by the worker ended them naming a SIFT_REDIS_URL no one had set."""
+    from worker.redis_client import OLDEST_REDIS, info_at_start, too_old
+
+    if version := too_old(info_at_start(url, "server")):
+        oldest = ".".join(map(str, OLDEST_REDIS))
+        raise StartRefused(
+            f"{service.command[0]} is Redis {version}, older than Sift needs ({oldest} or "
+            "later): install a newer one (scripts/install-services.sh says how)"
+        )
 
 
 def adopt_logs(old: Path, new: Path, keep: int = LOG_KEEP) -> None:
