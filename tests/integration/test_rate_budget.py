@@ -602,6 +602,92 @@ def test_the_wait_on_the_breaker_is_counted_in_the_budget_wait_metric(
     assert now_total - total == pytest.approx(waited)
 
 
+ANSWER_SECONDS = 0.5  # each call's own time on the test's clock: from send to answer
+
+
+def _timed_search(
+    fake: fa.FakeAnthropic, client: redis.Redis, first: fa.Behaviour
+) -> tuple[Any, FakeClock, tuple[float, float]]:
+    """One search whose first call meets ``first``, its retry answered: on a clock that moves
+    by each wait the search sleeps (slept for real too: the budget's pauses and breaker are
+    on Redis's clock) and by :data:`ANSWER_SECONDS` while each call is out. Answers the
+    result, the clock and the budget-wait metric's (sum, count) growth."""
+    clock = FakeClock()
+    labels = {"model": MODEL, "lane": "standard"}
+
+    def observed() -> tuple[float, float]:
+        return (
+            REGISTRY.get_sample_value("sift_rate_budget_wait_seconds_sum", labels) or 0.0,
+            REGISTRY.get_sample_value("sift_rate_budget_wait_seconds_count", labels) or 0.0,
+        )
+
+    def sleep(seconds: float) -> None:
+        clock.sleep(seconds)
+        time.sleep(seconds)
+
+    def answered() -> None:
+        clock.now += ANSWER_SECONDS
+
+    pipeline, _ = build(
+        fake, client, "fail_closed", RateLimit(rpm=1_000), RecordingRecorder(),
+        deadline=120.0, clock=clock, sleep=sleep, answered=answered,
+    )  # fmt: skip
+    fake.script([first, fa.good()])
+    total, calls = observed()
+    result = search(pipeline)
+    now_total, now_calls = observed()
+    return result, clock, (now_total - total, now_calls - calls)
+
+
+def _accounted(trace: dict[str, Any]) -> float:
+    """The rerank stage's seconds as its attempts tell them: each one's own time and the
+    waits before it. On the test's clock, which moves only by those, they are all of it."""
+    return sum(
+        a["seconds"] + a["backoff_wait_seconds"] + a["budget_wait_seconds"]
+        for a in trace["attempts"]
+    )
+
+
+def test_a_429_s_retry_after_is_in_the_trace_and_the_budget_wait_metric(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    """A 429 with ``retry-after: 1``, then an answer: the retry's entry tells its back-off
+    (the 429's second) apart from its own time, the stage's seconds are the attempts' times
+    and waits, and ``sift_rate_budget_wait_seconds`` observes the pause (every other process
+    counts it there as its wait for the budget). Before, the second was in no figure: each
+    attempt 0 budget wait, and the metric counted the retry as sent at once."""
+    result, clock, (waited, calls) = _timed_search(fake, client, fa.status(429, retry_after=1))
+    assert result.rerank.applied and len(fake.requests()) == 2
+    first, retry = result.trace["attempts"]
+    assert first["outcome"] == "rate_limited" and retry["outcome"] == "ok"
+    assert first["seconds"] == retry["seconds"] == ANSWER_SECONDS
+    assert first["backoff_wait_seconds"] == 0.0
+    assert retry["backoff_wait_seconds"] == 1.0  # the 429's retry-after: longer than a back-off
+    assert retry["budget_wait_seconds"] == pytest.approx(sum(clock.sleeps) - 1.0)  # the budget's
+    assert result.trace["rerank_seconds"] == pytest.approx(_accounted(result.trace))
+    assert calls == 2 and waited == pytest.approx(1.0 + retry["budget_wait_seconds"])
+
+
+def test_a_wait_on_the_breaker_after_a_5xx_is_not_the_retry_s_own_time(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    """A 529 opens the breaker; the retry backs off, then waits on the breaker until its
+    opening is over, and is answered at once: its ``seconds`` are its call's alone, the
+    back-off and the breaker's wait beside them. Before, its ``seconds`` began before the
+    breaker's wait (806 ms shown as the call's time). The retry policy's back-off after a
+    5xx is no wait for the budget: the metric observes the breaker's wait alone."""
+    result, clock, (waited, calls) = _timed_search(fake, client, fa.status(529))
+    assert result.rerank.applied and len(fake.requests()) == 2
+    first, retry = result.trace["attempts"]
+    assert first["outcome"] == "http_5xx" and retry["outcome"] == "ok"
+    assert retry["seconds"] == ANSWER_SECONDS
+    backoff, *breaker = clock.sleeps
+    assert retry["backoff_wait_seconds"] == pytest.approx(backoff)
+    assert breaker and retry["budget_wait_seconds"] == pytest.approx(sum(breaker))
+    assert result.trace["rerank_seconds"] == pytest.approx(_accounted(result.trace))
+    assert calls == 2 and waited == pytest.approx(retry["budget_wait_seconds"])
+
+
 def test_headers_of_the_provider_teach_the_budget_its_limits(
     fake: fa.FakeAnthropic, client: redis.Redis
 ) -> None:

@@ -554,6 +554,26 @@ def test_search_trace_is_compact(fake_gateway: FakeGateway) -> None:
     assert "the full text of candidate" not in result.output
 
 
+def test_search_trace_tells_an_attempt_s_own_time_from_its_waits(
+    fake_gateway: FakeGateway,
+) -> None:
+    """A 529, then a retry that backed off and waited on the breaker before it was answered
+    at once: the compact trace prints the retry's own time and its waits apart. It printed
+    the wait as the call's time ('#2 ok 806.2 ms')."""
+    attempts = [
+        {"n": 1, "outcome": "http_5xx", "seconds": 0.0045, "backoff_wait_seconds": 0.0,
+         "budget_wait_seconds": 0.0},
+        {"n": 2, "outcome": "ok", "seconds": 0.005, "backoff_wait_seconds": 0.2,
+         "budget_wait_seconds": 0.6},
+    ]  # fmt: skip
+    trace = {**TRACE, "attempts": attempts, "rerank_seconds": 1.01}
+    fake_gateway.search_answers_at_once, fake_gateway.trace = True, trace
+    result = run(fake_gateway, "search", "q", "--index", "s", "--trace")
+    assert result.exit_code == 0, result.output
+    shown = "attempts: #1 http_5xx 4.5 ms, #2 ok 5.0 ms after 0.80 s waiting; rerank 1.01 s"
+    assert shown in result.output
+
+
 def test_search_trace_json_keeps_the_raw_trace(fake_gateway: FakeGateway) -> None:
     fake_gateway.search_answers_at_once, fake_gateway.trace = True, TRACE
     result = run(fake_gateway, "search", "q", "--index", "s", "--trace", "--json")

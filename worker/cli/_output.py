@@ -268,6 +268,27 @@ def _seconds(value: Any) -> str:
     return f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s"
 
 
+def _attempt_text(attempt: dict[str, Any]) -> str:
+    """One model attempt for a person: its class, its own time (from send to answer) and
+    the waits before it (the back-off, a 429's pause in it, and the rate budget's), where
+    the time of a wait on the breaker was printed as the call's.
+
+    >>> _attempt_text({"n": 2, "outcome": "ok", "seconds": 0.0054,
+    ...                "backoff_wait_seconds": 0.21, "budget_wait_seconds": 0.59})
+    '#2 ok 5.4 ms after 0.80 s waiting'
+    >>> _attempt_text({"n": 1, "outcome": "rate_limited", "sent": False, "seconds": 0.0})
+    '#1 rate_limited (not sent) 0.0 ms'
+    """
+    waits = [attempt.get(k) for k in ("backoff_wait_seconds", "budget_wait_seconds")]
+    waited = sum(w for w in waits if isinstance(w, int | float))
+    return (
+        f"#{attempt.get('n')} {attempt.get('outcome')}"
+        f"{' (not sent)' if attempt.get('sent') is False else ''} "
+        f"{_seconds(attempt.get('seconds'))}"
+        + (f" after {waited:.2f} s waiting" if round(waited, 2) > 0 else "")
+    )
+
+
 def trace_lines(trace: dict[str, Any]) -> list[str]:
     """A search's trace in a few plain lines: what retrieval found, each model attempt with
     its class and time, the positions the model returned, kept and dropped (and why), the
@@ -311,11 +332,7 @@ def trace_lines(trace: dict[str, Any]) -> list[str]:
     if attempts is None:  # no model call was made (no candidates)
         lines.append("attempts: none")
         return lines
-    shown = ", ".join(
-        f"#{a.get('n')} {a.get('outcome')}{' (not sent)' if a.get('sent') is False else ''} "
-        f"{_seconds(a.get('seconds'))}"
-        for a in attempts
-    )
+    shown = ", ".join(_attempt_text(a) for a in attempts)
     lines.append(f"attempts: {shown or 'none'}; rerank {_seconds(trace.get('rerank_seconds'))}")
     ids = {c.get("position"): c.get("id") for c in candidates}
     returned = trace.get("returned_positions")

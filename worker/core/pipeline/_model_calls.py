@@ -54,6 +54,24 @@ def _billed(run: RerankRun) -> Usage | None:
     return usage if usage.requests else None
 
 
+def _paused(run: RerankRun) -> float:
+    """The part of the back-off before the next attempt that was the provider's 429's pause:
+    all of it after a 429 the provider sent (at least its retry-after, which paused every
+    process's calls on the rate budget too, counted there as their wait for the budget), none
+    after any other failure (the retry policy's own back-off, not the budget's).
+
+    >>> _paused(RerankRun(attempts=[{"outcome": "rate_limited"}], backed_off=2.0))
+    2.0
+    >>> _paused(RerankRun(attempts=[{"outcome": "rate_limited", "sent": False}], backed_off=2.0))
+    0.0
+    >>> _paused(RerankRun(attempts=[{"outcome": "http_5xx"}], backed_off=0.2))
+    0.0
+    """
+    last = run.attempts[-1] if run.attempts else {}
+    sent_429 = last.get("outcome") == AttemptOutcome.RATE_LIMITED.value and last.get("sent", True)
+    return run.backed_off if sent_429 else 0.0
+
+
 @dataclass(slots=True)
 class CallTime:
     """An average of answered calls' time, with the budget on: what a call must still have
@@ -139,7 +157,7 @@ class ModelCalls:
                 deadline=deadline,
                 max_attempts=self.config.max_requests,
                 attempt_timeout=self.config.attempt_timeout_seconds,
-                sleep=lambda seconds: self._wait(seconds, run, check),  # the back-off
+                sleep=lambda seconds: self._back_off(seconds, run, check),
             )
         except (RerankAttemptError, DeadlineExceeded) as error:
             run.failure = error
@@ -162,9 +180,10 @@ class ModelCalls:
         assert self.reranker is not None
         if check is not None and run.attempts:  # a back-off since the last attempt
             check(_billed(run))
-        started = self.clock()
+        paused = _paused(run)
         grant: BudgetGrant | None = None
-        detail: dict[str, Any] = {}
+        detail: dict[str, Any] = {"backoff_wait_seconds": run.backed_off}
+        run.backed_off = 0.0
         if self.rate_budget is not None:
             grant, waited = self._wait_for_budget(prompt, run, deadline, check)
             if check is not None and grant.wait > 0:
@@ -182,21 +201,21 @@ class ModelCalls:
             usage = getattr(error, "usage", None)
             usage = usage if isinstance(usage, TokenUsage) else None
             if grant is not None:
-                self._settle_failed(grant, error, usage, detail["budget_wait_seconds"])
+                self._settle_failed(grant, error, usage, detail["budget_wait_seconds"] + paused)
             if not error.sent:
                 detail["sent"] = False
-            self.record_attempt(run, error.outcome, usage, self.clock() - started, **detail)
+            self.record_attempt(run, error.outcome, usage, self.clock() - sent, **detail)
             if error.sent and usage is None and error.outcome in NO_ANSWER and error.status is None:
                 self._count_unread(prompt, grant)
             if on_billed is not None and usage is not None:
                 on_billed(run)
             raise
         if grant is not None and self.rate_budget is not None:
-            self.rate_budget.sent(detail["budget_wait_seconds"])
+            self.rate_budget.sent(detail["budget_wait_seconds"] + paused)
             self.rate_budget.settle(grant, reply.usage)
             self.call_time.add(self.clock() - sent)
         run.returned = reply.positions
-        self.record_attempt(run, AttemptOutcome.OK, reply.usage, self.clock() - started, **detail)
+        self.record_attempt(run, AttemptOutcome.OK, reply.usage, self.clock() - sent, **detail)
         return reply
 
     def _count_unread(self, prompt: RerankPrompt, grant: BudgetGrant | None) -> None:
@@ -320,6 +339,17 @@ class ModelCalls:
             self.rate_budget.settle(grant, TokenUsage(), sent=False, closes=False)
             raise
 
+    def _back_off(self, seconds: float, run: RerankRun, check: BeforeModel | None) -> None:
+        """:meth:`_wait` for the back-off between attempts (a 429's retry-after, when longer),
+        kept on ``run`` as slept for the next attempt's entry (``backoff_wait_seconds``). It
+        went into the next attempt's own ``seconds``, or nowhere: a 429's 2 s retry-after was
+        in no figure of the trace, its retry shown as sent at once."""
+        started = self.clock()
+        try:
+            self._wait(seconds, run, check)
+        finally:
+            run.backed_off += self.clock() - started
+
     def _wait(self, seconds: float, run: RerankRun, check: BeforeModel | None) -> None:
         """Wait ``seconds`` before an attempt (for the rate budget, the provider's outage, a
         429's pause, the back-off between attempts), asking ``check`` every
@@ -339,8 +369,14 @@ class ModelCalls:
         """The attempt cannot be sent within the search's deadline: ``budget_exhausted``,
         nothing sent, which the failure policy takes from there."""
         self.record_attempt(
-            run, AttemptOutcome.BUDGET_EXHAUSTED, None, 0.0, budget_wait_seconds=waited
+            run,
+            AttemptOutcome.BUDGET_EXHAUSTED,
+            None,
+            0.0,
+            backoff_wait_seconds=run.backed_off,
+            budget_wait_seconds=waited,
         )
+        run.backed_off = 0.0
         raise RerankAttemptError(
             AttemptOutcome.BUDGET_EXHAUSTED,
             f"{why}, past the search deadline ({max(0.0, deadline.remaining()):.1f}s left)",

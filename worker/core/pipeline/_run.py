@@ -26,6 +26,9 @@ class RerankRun:
     reply: RerankReply | None = None
     failure: SiftError | None = None
     seconds: float = 0.0
+    # the back-off slept since the last attempt (a 429's retry-after in it), for the next
+    # attempt's entry to tell apart from its own seconds
+    backed_off: float = 0.0
 
     def add_usage(self, usage: TokenUsage, price: Price | None, discount: float) -> float | None:
         """Add one call's ``usage`` and its cost; answers that call's cost (None: unpriced)."""
