@@ -428,3 +428,6 @@ class ErrorInfo(BaseModel):
         "with their outcome class, usage), as a result's `trace`; only on a `rerank_failed` "
         "error of a search or batch that asked for its trace (`include_trace`).",
     )
+    # a rerank_failed search's stages' seconds up to the failure, trace or not, for its
+    # batch's totals (never serialized; empty for any other failure: none were kept)
+    _stage_seconds: dict[str, float] = PrivateAttr(default_factory=dict)

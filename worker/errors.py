@@ -68,6 +68,9 @@ class SiftError(Exception):
     # the search's trace up to the failure, when it asked for one (``include_trace``): the
     # job's error shows it as ``trace``
     job_trace: dict[str, Any] | None = None
+    # each stage's seconds up to the failure, asked for or not: its batch's ``stage_seconds``
+    # counts a failed item's time as its ``usage`` counts its billed calls (None: none kept)
+    job_seconds: dict[str, float] | None = None
 
     def __init__(self, message: str) -> None:
         super().__init__(message)

@@ -85,7 +85,7 @@ def test_a_reranked_batch_prints_what_its_model_calls_used_and_cost(
     assert f"usage: {requests} request(s), {tokens} input + " in result.output, result.output
     assert f"${cost:.6f}" in result.output, result.output
     assert "rerank: applied 10, fallback 0, skipped 0" in result.output, result.output
-    assert "seconds by stage, summed over the items: queue wait " in result.output
+    assert "seconds by stage (items succeeded or rerank_failed): queue wait " in result.output
     listed = sift(stack, "batches", "--limit", "1")  # and its row in the list, with its cost
     assert listed.exit_code == 0, listed.output
     assert f"${cost:.6f}" in listed.output and "cost" in listed.output, listed.output

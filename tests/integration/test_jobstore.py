@@ -370,17 +370,21 @@ def test_a_batchs_totals_are_its_final_items_summed_under_racing_finishes_and_ca
                 cost_usd=rng.uniform(1e-6, 0.01),
             )
             pick = rng.random()
-            if pick < 0.15:
-                store.finish_item(batch.id, qid, error=ErrorInfo(type="e", message="m", usage=used))
+            timed = {"queue_wait": rng.uniform(0, 9), "rerank": rng.random()}
+            if pick < 0.15:  # a failed rerank: its seconds count as its usage does
+                failed = ErrorInfo(type="rerank_failed", message="m", usage=used)
+                failed._stage_seconds = timed
+                if store.finish_item(batch.id, qid, error=failed).applied:
+                    seconds[qid] = timed
             elif pick < 0.3:
                 store.cancel_item(batch.id, qid, usage=used)
             else:
                 reason = rng.choice([None, "no_valid_ranks"])
                 info = RerankInfo(applied=reason is None and pick < 0.8, fallback_reason=reason)
                 done = SearchResult(hits=[], rerank=info, usage=used)
-                done._stage_seconds = {"queue_wait": rng.uniform(0, 9), "rerank": rng.random()}
+                done._stage_seconds = timed
                 if store.finish_item(batch.id, qid, result=done).applied:
-                    seconds[qid] = done._stage_seconds
+                    seconds[qid] = timed
 
     threads = [threading.Thread(target=worker, args=(s,)) for s in range(6)]
     for t in threads:

@@ -311,7 +311,7 @@ def error_info(exc: BaseException) -> ErrorInfo:
     'unexpected ConnectionError in the worker (its log has the detail)'
     """
     if isinstance(exc, SiftError):
-        return ErrorInfo(
+        info = ErrorInfo(
             type=exc.code,
             message=exc.message,
             retryable=exc.retryable,
@@ -320,6 +320,8 @@ def error_info(exc: BaseException) -> ErrorInfo:
             usage=exc.job_usage if exc.job_usage is not None and exc.job_usage.requests else None,
             trace=exc.job_trace,
         )
+        info._stage_seconds = dict(exc.job_seconds or {})
+        return info
     message = f"unexpected {type(exc).__name__} in the worker (its log has the detail)"
     return ErrorInfo(type="internal_error", message=message)
 

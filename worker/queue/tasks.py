@@ -203,6 +203,8 @@ def _with_failed_queue_wait(exc: BaseException, seconds: float) -> None:
     ``queue_wait_seconds`` as its result's would have (:func:`_with_queue_wait`)."""
     if isinstance(exc, SiftError) and exc.job_trace is not None:
         exc.job_trace["queue_wait_seconds"] = max(0.0, seconds)
+    if isinstance(exc, SiftError) and exc.job_seconds is not None:
+        exc.job_seconds["queue_wait"] = max(0.0, seconds)
 
 
 def _kept_usage(answer: str) -> Usage | None:

@@ -269,7 +269,9 @@ def _batch_cost_lines(batch: dict[str, Any]) -> list[str]:
     stages = batch.get("stage_seconds") or {}
     if stages:
         spent = ", ".join(f"{name.replace('_', ' ')} {s:.2f}" for name, s in stages.items())
-        lines.append(f"seconds by stage, summed over the items: {spent}")
+        # the items whose calls usage counts, failed reranks too (a failure before its
+        # rerank, or a cancel, kept none): 'the items' read as all of them
+        lines.append(f"seconds by stage (items succeeded or rerank_failed): {spent}")
     return lines
 
 

@@ -141,6 +141,7 @@ def _failure_policy(
         trace.update(fallback_reason=None, failure=reason)
         figures.append(partial(recorder.rerank_outcome, policy, "failed"))
         failed.job_trace = trace if spec.include_trace else None
+        failed.job_seconds = stage_seconds(trace)
         raise failed from cause
     trace["fallback_reason"] = f"error:{reason}"
     figures.append(partial(recorder.rerank_outcome, policy, "fallback_error"))

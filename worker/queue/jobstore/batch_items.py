@@ -31,9 +31,10 @@ def batch_tally(
     result: SearchResult | None = None, error: ErrorInfo | None = None, usage: Usage | None = None
 ) -> list[str]:
     """What one final item adds to its batch's totals, as (field, increment) pairs: its
-    usage (the result's, the error's, or a canceled item's billed ``usage``) and, for a
-    result, each stage's seconds and its rerank outcome. An unknown cost counts as unpriced,
-    never as 0.
+    usage (the result's, the error's, or a canceled item's billed ``usage``), each stage's
+    seconds (the result's, or the error's up to its failure: time over the items cost is
+    counted over; a failed item's were left out) and, for a result, its rerank outcome. An
+    unknown cost counts as unpriced, never as 0.
 
     >>> batch_tally(usage=Usage(requests=1, input_tokens=10, cost_usd=None))[-2:]
     ['usage_unpriced', '1']
@@ -47,9 +48,11 @@ def batch_tally(
             pairs += ["usage_unpriced", "1"]
         else:
             pairs += ["usage_cost_usd", repr(used.cost_usd)]
-    if result is not None:
-        for stage, seconds in result._stage_seconds.items():
+    timed = result if result is not None else error
+    if timed is not None:
+        for stage, seconds in timed._stage_seconds.items():
             pairs += ["seconds_" + stage, repr(seconds)]
+    if result is not None:
         rerank = result.rerank
         outcome = (
             "applied" if rerank.applied else "fallback" if rerank.fallback_reason else "skipped"

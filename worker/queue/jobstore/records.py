@@ -167,8 +167,9 @@ class BatchJob:
     finished_at: float | None = None
     # the sum of its final items' usage (a result's, a failure's, a canceled item's billed
     # rounds), its succeeded items' rerank outcomes ("applied", "fallback", "skipped") and
-    # their seconds by stage; None: unknown (a batch an older release made, whose items it
-    # finished were never added: jobstore/batches.py's TOTALS_MARKER)
+    # the seconds by stage of those and of its rerank_failed items; None: unknown (a batch
+    # an older release made, whose items it finished were never added:
+    # jobstore/batches.py's TOTALS_MARKER)
     usage: Usage | None = field(default_factory=Usage)
     rerank_outcomes: dict[str, int] | None = field(default_factory=dict)
     stage_seconds: dict[str, float] | None = field(default_factory=dict)
