@@ -41,6 +41,7 @@ import redis
 from tests import fake_anthropic as fa
 from tests.fake_anthropic import FakeAnthropic
 from tests.integration.slow_receivers import slow_receiver
+from tests.reliability.economy import worker_log
 from tests.reliability.support import (
     ACME,
     FINISH_TIMEOUT,
@@ -59,6 +60,7 @@ from tests.reliability.support import (
 from tests.services import gateway, redis_server
 from worker.adapters.rate_budget import BURST_FRACTION
 from worker.constants import (
+    BATCH_CHUNK_TASK,
     BATCH_ITEMS_KEY,
     BATCH_LOST_KEY,
     BATCH_QUEUE,
@@ -132,9 +134,13 @@ def recovery_stack(shared: RecoveryStack) -> Iterator[RecoveryStack]:
 
 
 @contextmanager
-def worker(directory: Path, env: dict[str, str], name: str) -> Iterator[subprocess.Popen[bytes]]:
-    """``sift worker`` at its default concurrency and pool."""
-    with worker_process(directory, child_env(env, inherit_sift=False), name) as proc:
+def worker(
+    directory: Path, env: dict[str, str], name: str, processes: int = 1
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``sift worker`` at its default concurrency and pool (``processes``: its supervisor's
+    Celery processes, one per core at the defaults)."""
+    env = child_env(env, inherit_sift=False)
+    with worker_process(directory, env, name, processes=processes) as proc:
         yield proc
 
 
@@ -155,6 +161,21 @@ def submit(client: httpx.Client, n: int, webhook_url: str | None = None, first: 
     response = client.post("/v1/batches", json=body, headers=ACME)
     assert response.status_code == 202, response.text
     return str(response.json()["id"])
+
+
+STOP_BEGINS = "SIGTERM: stopping"  # the supervisor's line, written before its children's stop
+WARM_SHUTDOWN = "worker: Warm shutdown"  # each Celery process's, as its stop begins
+TASK_RECEIVED = re.compile(r"Task (\S+)\[([0-9a-f-]+)\] received")
+
+
+def tasks_received(log: str) -> list[str]:
+    """The tasks (``name[id]``) a ``sift worker`` log shows received, in order."""
+    return [f"{m[1]}[{m[2]}]" for m in TASK_RECEIVED.finditer(log)]
+
+
+def taken_after_stop(log: str) -> list[str]:
+    """The tasks a ``sift worker`` log shows received after its stop began."""
+    return tasks_received(log.partition(STOP_BEGINS)[2])
 
 
 def model_calls(fake: FakeAnthropic) -> Counter[str]:
@@ -371,7 +392,16 @@ def test_sigterm_hands_back_an_item_waiting_out_a_429_s_retry_after(
     charges none of the search's one deadline: its claim was let go with its time added (its
     retrieval, the call refused, its wait until the stop), so each rolling restart took that
     much from the next run's deadline, a reservation it then could not wait for
-    (``budget_exhausted``: the hits not reranked), or none left at all."""
+    (``budget_exhausted``: the hits not reranked), or none left at all.
+
+    No process of the stopping worker (two here, as at the defaults on two cores) takes a
+    message once its stop has begun: neither the chunk it hands back nor a batch sent then;
+    the next worker runs both. Before, a process's event loop read Celery's stop flag only at
+    its next turn, up to a second later, and the turn under way delivered what its poll
+    returned: the hand-back came back within milliseconds to the stopping worker (its
+    sibling process, whose item queue was not closed), and ran there to the end of the 429's
+    pause, holding the stop that long (3 runs in 5 of a review's); here the later batch was
+    taken so."""
     retry_after = 20
     soft_shutdown = Settings(_env_file=None).worker_soft_shutdown_seconds  # type: ignore[call-arg]
     with (
@@ -380,17 +410,23 @@ def test_sigterm_hands_back_an_item_waiting_out_a_429_s_retry_after(
     ):
         env = {**env, "ANTHROPIC_BASE_URL": model.url}
         model.script([fa.status(429, retry_after=retry_after)])
-        with worker(tmp_path / "w", env, "a") as worker_a:
+        with worker(tmp_path / "w", env, "a", processes=2) as worker_a:  # a sibling stops too
             ingest(client)
             batch_id = submit(client, 1)
             wait_for(lambda: model.counts()["received"] >= 1, "the item's call refused")
             worker_a.send_signal(signal.SIGTERM)
+            # once each process says its stop began, a new batch: no stopping process takes it
+            wait_for(lambda: worker_log(tmp_path / "w", "a").count(WARM_SHUTDOWN) == 2, "stop")
+            later = submit(client, 1, first=1)
             code = worker_a.wait(3 * soft_shutdown)
-        log = (tmp_path / "w" / "a.log").read_text(errors="replace")
+        log = worker_log(tmp_path / "w", "a")
         assert "not stopped" not in log and code == 0, (code, log[-2000:])
-        assert "1 items handed back" in log, log[-2000:]
+        assert "1 items handed back" in log and STOP_BEGINS in log, log[-2000:]
+        assert taken_after_stop(log) == [], log[-3000:]  # neither chunk, by either process
+        [chunk] = [task for task in tasks_received(log) if task.startswith(BATCH_CHUNK_TASK)]
         assert model.counts()["received"] == 1  # the retry was not sent by the stopping worker
         assert item_statuses(url, batch_id) == {"q00000": "running"}  # keeping its 429
+        assert item_statuses(url, later) == {"q00001": "queued"}  # not begun by a stopping one
         claims = redis.Redis.from_url(url, decode_responses=True)
         try:  # the deadline's time the runs so far used, what the next run is told it spent
             spent = float(claims.hget(BATCH_RUNS_KEY + batch_id, "q00000").split("|")[0])
@@ -399,8 +435,13 @@ def test_sigterm_hands_back_an_item_waiting_out_a_429_s_retry_after(
         assert spent == 0.0  # the run handed back is not charged: the next has the whole deadline
         with worker(tmp_path / "w", env, "b"):
             wait_finished(client, url, batch_id, RECOVERY_WINDOW)
+            wait_finished(client, url, later, RECOVERY_WINDOW)
         assert_batch_exactly_once(client, url, batch_id, 1)
-        assert model_calls(model) == Counter({"q00000": 2})  # the 429'd call, then B's
+        assert batch_counts(client, later)["counts"]["succeeded"] == 1
+        # the 429'd call, then B's; the later batch's one call, B's
+        assert model_calls(model) == Counter({"q00000": 2, "q00001": 1})
+        b_log = worker_log(tmp_path / "w", "b")
+        assert chunk in tasks_received(b_log), b_log[-2000:]  # the next worker ran it
         [line] = all_results(client, batch_id)
         assert line["result"]["usage"]["requests"] == 2, line  # both shown
         lost = redis.Redis.from_url(url, decode_responses=True)

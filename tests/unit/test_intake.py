@@ -14,7 +14,8 @@ from celery.worker import state as worker_state
 from kombu import Connection, Exchange, Queue
 
 from worker.constants import ALL_QUEUES, BATCH_QUEUE, SEARCH_QUEUE
-from worker.queue.intake import ConsumerIntake
+from worker.queue.base import WorkerContext
+from worker.queue.intake import INTAKE, ConsumerIntake
 
 
 class Hub:
@@ -159,3 +160,53 @@ def test_without_a_consumer_or_an_event_loop_it_does_nothing(
     intake.attach(c)
     intake.pause()
     assert reading(c) == set(ALL_QUEUES)
+
+
+class RunningHub(Hub):
+    """An event loop running each callback as it is handed one (as a woken loop does)."""
+
+    def call_soon(self, callback: Callable[[], None]) -> None:
+        callback()
+
+
+def test_a_stop_cancels_every_queue_before_it_returns_and_nothing_is_read_again(
+    app: Celery, connection: Connection
+) -> None:
+    """A stopping process takes no message of any queue from the moment ``stop_taking``
+    returns (what it hands back after cannot come back to it), and no resume reads one again,
+    before Celery's own stop flag is set too."""
+    c = consumer(app, connection)
+    c.hub = RunningHub()
+    intake = ConsumerIntake()
+    intake.attach(c)
+    assert not intake.stopping
+    assert intake.stop_taking() and intake.stopping
+    assert reading(c) == set()
+    intake.resume()
+    assert reading(c) == set()
+    assert intake.stop_taking()  # again: the same cancel, done
+
+
+def test_a_stop_waits_for_the_event_loop_to_cancel(app: Celery, connection: Connection) -> None:
+    """Until the event loop runs the cancel, nothing is cancelled (no thread but the loop's
+    touches the consumer) and the wait ends unanswered at its timeout."""
+    c = consumer(app, connection)
+    intake = ConsumerIntake()
+    intake.attach(c)
+    assert not intake.stop_taking(timeout=0)
+    assert reading(c) == set(ALL_QUEUES)
+    c.hub.run()
+    assert reading(c) == set()
+    assert intake.stop_taking(timeout=0)
+
+
+def test_an_item_queue_made_once_the_stop_began_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process that ran no batch chunk before its stop has no item queue to close then: a
+    chunk it took as the stop began makes one, closed, and goes back at once, where it ran to
+    its end (a 429's pause included) and held the stop."""
+    settings = SimpleNamespace(batch_item_concurrency=2)
+    running = WorkerContext(settings=settings, store=None, limiter=None)  # type: ignore[arg-type]
+    assert not running.items.stopping()
+    monkeypatch.setattr(INTAKE, "_stopping", True)
+    stopping = WorkerContext(settings=settings, store=None, limiter=None)  # type: ignore[arg-type]
+    assert stopping.items.stopping()

@@ -134,6 +134,8 @@ class WorkerContext:
                     self._items = ItemQueue(
                         self.store, pool, INTAKE, high=self.settings.batch_item_concurrency
                     )
+                    if INTAKE.stopping:  # a chunk taken as the stop began goes back at once
+                        self._items.hand_back()
         return self._items
 
     @property
@@ -265,7 +267,10 @@ def warm_up(settings: Settings) -> None:
 
 
 def hand_back_items() -> None:
-    """The worker is stopping: batch items not yet started go back (:mod:`worker.queue.items`)."""
+    """The worker is stopping: its consumer takes no more messages, then the batch items not
+    yet started go back (:mod:`worker.queue.items`), so no chunk handed back comes back to
+    this process (:meth:`~worker.queue.intake.ConsumerIntake.stop_taking`)."""
+    INTAKE.stop_taking()
     context = _context
     if context is not None and context._items is not None:
         context._items.hand_back()
@@ -412,6 +417,7 @@ class SiftTask(Task):  # type: ignore[misc]
         worker. A clean hand-back is no crash, so this delivery is not counted."""
         store = self.context.store
         store.set_deliveries(str(self.request.id), self.request.retries, max(0, deliveries - 1))
+        INTAKE.stop_taking()  # this process's consumer is cancelled first: not taken back here
         raise Reject("the worker is stopping: handed back", requeue=True)
 
     def send_webhook(

@@ -23,11 +23,18 @@ It never adds a queue the worker was not started with (``-Q``), nor one an opera
 cancelled (both leave it out of the app's selected queues), nor any while the worker
 stops. A consumer after a reconnect starts on every selected queue; attaching it applies
 the wanted state again.
+
+A stopping process takes no message at all (:meth:`ConsumerIntake.stop_taking`): its
+consumer is cancelled on every queue before anything is handed back. Celery's warm shutdown
+only sets a flag that the event loop reads at its next turn, and the turn already under way
+delivers what its poll returns: a chunk the process (or its sibling, stopping beside it)
+handed back at once came back to it, and ran there to its end, a 429's pause included.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from celery import bootsteps
@@ -38,6 +45,10 @@ from worker.constants import BATCH_QUEUE
 
 log = logging.getLogger(__name__)
 
+# How long a stop waits for its consumer to be cancelled before it hands anything back: the
+# event loop runs the cancel as soon as it wakes, or the warm shutdown's consumer stop does.
+STOP_TAKING_WAIT_SECONDS = 2.0
+
 
 class ConsumerIntake:
     """The process's Celery consumer, its reading of ``queue`` paused and resumed. ``pause``
@@ -47,6 +58,8 @@ class ConsumerIntake:
         self._queue = queue
         self._consumer: Any = None
         self._paused = False  # what the item queue asked for last
+        self._stopping = False  # the worker is stopping: take no more messages
+        self._stopped = threading.Event()  # ...and the consumer has been cancelled
 
     def attach(self, consumer: Any) -> None:
         self._consumer = consumer
@@ -59,6 +72,40 @@ class ConsumerIntake:
     def resume(self) -> None:
         self._paused = False
         self._schedule()
+
+    @property
+    def stopping(self) -> bool:
+        """Whether the worker's stop has begun (:meth:`stop_taking` was called)."""
+        return self._stopping
+
+    def stop_taking(self, timeout: float = STOP_TAKING_WAIT_SECONDS) -> bool:
+        """The worker is stopping: its consumer takes no more messages, of any queue. Waits
+        (up to ``timeout``) until the event loop has cancelled it, so that what the process
+        hands back after this cannot come back to it; True once it has. Called again, it
+        waits for the same cancel. Without an event loop, no message was taken: True."""
+        self._stopping = True
+        hub = getattr(self._consumer, "hub", None)
+        if hub is None:
+            return True
+        if not self._stopped.is_set():
+            hub.call_soon(self.cancel_all)
+        return self._stopped.wait(timeout)
+
+    def cancel_all(self) -> None:
+        """In the consumer's event loop (or its stop): cancel its consumer on every queue,
+        once. A message a poll already under way returns is then put back by kombu (no
+        consumer for its queue), not delivered."""
+        if self._stopped.is_set():
+            return
+        try:
+            tasks = getattr(self._consumer, "task_consumer", None)
+            if tasks is not None:
+                tasks.cancel()
+                log.info("stopped taking tasks: the worker is stopping")
+        except Exception:  # Celery's own stop cancels it too: never stop the event loop
+            log.warning("the consumer was not cancelled at the stop", exc_info=True)
+        finally:
+            self._stopped.set()
 
     def _schedule(self) -> None:
         hub = getattr(self._consumer, "hub", None)
@@ -86,16 +133,17 @@ class ConsumerIntake:
     def _may_read(self, consumer: Any) -> bool:
         """The worker reads the queue (selected: not left out by ``-Q`` or cancelled by an
         operator) and is not stopping."""
-        if any(flag is not None and flag is not False for flag in _stop_flags()):  # 0 is set
+        if self._stopping or _stopping():
             return False
         if getattr(consumer.blueprint, "state", None) != RUN:
             return False
         return self._queue in consumer.app.amqp.queues.consume_from
 
 
-def _stop_flags() -> tuple[object, object]:
-    """Celery's warm and cold shutdown flags (an exit code once set, 0 included)."""
-    return worker_state.should_stop, worker_state.should_terminate
+def _stopping() -> bool:
+    """Whether Celery's warm or cold shutdown flag is set (an exit code once set, 0 included)."""
+    flags = worker_state.should_stop, worker_state.should_terminate
+    return any(flag is not None and flag is not False for flag in flags)
 
 
 INTAKE = ConsumerIntake()  # the process's one consumer
@@ -108,3 +156,11 @@ class IntakeStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def start(self, c: Any) -> None:
         INTAKE.attach(c)
+
+    def stop(self, c: Any) -> None:
+        """The consumer stops: at the worker's stop, this releases a hand-back waiting in
+        :meth:`ConsumerIntake.stop_taking` if the event loop ended before it ran the cancel
+        (Celery's Tasks step, stopped after this one, cancels the consumer all the same). A
+        reconnect's restart stops it too, and changes nothing."""
+        if INTAKE.stopping or _stopping():
+            INTAKE.cancel_all()
