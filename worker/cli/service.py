@@ -505,12 +505,7 @@ def _serve_single_process_metrics(settings: Settings) -> None:
     if not settings.worker_metrics_port:
         return
     try:
-        serve_worker_metrics(
-            settings.worker_metrics_port,
-            model=settings.generation_model_id,
-            backend=settings.search_backend,
-            native_fusion=settings.native_fusion,
-        )
+        serve_worker_metrics(settings)
     except OSError as exc:
         errors.print(
             f"[yellow]warning:[/yellow] worker metrics not served on "

@@ -439,12 +439,7 @@ def _serve_metrics(settings: Settings) -> None:
     from worker.observability.metrics import serve_worker_metrics
 
     try:
-        serve_worker_metrics(
-            settings.worker_metrics_port,
-            model=settings.generation_model_id,
-            backend=settings.search_backend,
-            native_fusion=settings.native_fusion,
-        )
+        serve_worker_metrics(settings)
     except OSError as exc:
         _say(f"worker metrics not served on :{settings.worker_metrics_port}: {exc}")
         return

@@ -69,12 +69,7 @@ def _serve_metrics(sender: Any = None, **_: Any) -> None:
     from worker.observability.metrics import serve_worker_metrics
 
     try:
-        serve_worker_metrics(
-            settings.worker_metrics_port,
-            model=settings.generation_model_id,
-            backend=settings.search_backend,
-            native_fusion=settings.native_fusion,
-        )
+        serve_worker_metrics(settings)
     except OSError as exc:
         log.warning("worker metrics not served on :%d: %s", settings.worker_metrics_port, exc)
     else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from threading import Thread
+from typing import Protocol
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
@@ -49,25 +50,39 @@ def start_worker_metrics_server(port: int, addr: str = "0.0.0.0") -> tuple[WSGIS
 _serving: list[int] = []  # the port this process serves /metrics on, once it does
 
 
-def serve_worker_metrics(
-    port: int, *, model: str | None, backend: str, native_fusion: bool
-) -> None:
+class WorkerMetricsSettings(Protocol):
+    """What a worker's ``/metrics`` is set up from: :class:`worker.settings.Settings` (which
+    observability does not import)."""
+
+    @property
+    def worker_metrics_port(self) -> int: ...
+    @property
+    def generation_model_id(self) -> str | None: ...
+    @property
+    def search_backend(self) -> str: ...
+    @property
+    def native_fusion(self) -> bool: ...
+
+
+def serve_worker_metrics(settings: WorkerMetricsSettings) -> None:
     """A worker's start (``sift worker``'s supervisor, or a Celery worker's main process):
-    every series it will write created at zero, then ``/metrics`` served on ``port``. The
-    model's and the backend's series too: a rate or an increase over a series that first
-    appears at its first event would miss that event. Raises :class:`OSError` when the port
-    cannot be bound. Once a process: ``sift worker`` run as one process serves it before its
-    wait for Redis, and Celery's ``worker_init`` calls again after it (a second bind failed)."""
+    every series it will write created at zero, then ``/metrics`` served on
+    ``SIFT_WORKER_METRICS_PORT``. The model's and the backend's series too: a rate or an
+    increase over a series that first appears at its first event would miss that event.
+    Raises :class:`OSError` when the port cannot be bound. Once a process: ``sift worker``
+    run as one process serves it before its wait for Redis, and Celery's ``worker_init``
+    calls again after it (a second bind failed)."""
     if _serving:
         return
+    model = settings.generation_model_id
     preregister(
         models=[model] if model else [],
-        backend=backend,
+        backend=settings.search_backend,
         queues=ALL_QUEUES,
-        native_fusion=native_fusion,
+        native_fusion=settings.native_fusion,
     )
-    start_worker_metrics_server(port)
-    _serving.append(port)
+    start_worker_metrics_server(settings.worker_metrics_port)
+    _serving.append(settings.worker_metrics_port)
 
 
 def snapshot(
