@@ -20,7 +20,13 @@ from fastapi import Depends, FastAPI
 from api_gateway.auth import KeyRing
 from api_gateway.backpressure import Backlog, StoreMemory, with_results_owed
 from api_gateway.bodies import document_bodies
-from api_gateway.checks import body_as_read, checked_headers, path_is_utf8, query_parameters
+from api_gateway.checks import (
+    body_as_read,
+    checked_headers,
+    not_starting,
+    path_is_utf8,
+    query_parameters,
+)
 from api_gateway.docs import install_docs
 from api_gateway.errors import install_error_handlers, no_route_short_of_a_line_break
 from api_gateway.indexes import router as indexes_router
@@ -175,11 +181,12 @@ def create_app(
     app.state.keyring = keyring
     app.state.metrics = metrics
     install_error_handlers(app)
-    # each after the key check: a path parameter's percent-escapes that are no UTF-8 are a
-    # 422 naming it, an unknown or repeated query parameter too, and so is a repeated
-    # Idempotency-Key or one on a POST or PATCH that does not honour it; a body not JSON is
-    # a 400, and one that gives a member twice a 422
+    # each after the key check: a gateway still starting is a 503; a path parameter's
+    # percent-escapes that are no UTF-8 are a 422 naming it, an unknown or repeated query
+    # parameter too, and so is a repeated Idempotency-Key or one on a POST or PATCH that does
+    # not honour it; a body not JSON is a 400, and one that gives a member twice a 422
     checked = [
+        Depends(not_starting),
         Depends(path_is_utf8),
         Depends(query_parameters),
         Depends(checked_headers),

@@ -1,6 +1,7 @@
-"""The request checks every ``/v1`` route runs after the key check: path parameters that are
-UTF-8, only the query parameters the route takes (each once), a body that is JSON with no
-member given twice, and ``Idempotency-Key`` once and only where it is honoured."""
+"""The request checks every ``/v1`` route runs after the key check: a gateway that is ready
+(not still waiting for its Redis's start checks), path parameters that are UTF-8, only the
+query parameters the route takes (each once), a body that is JSON with no member given
+twice, and ``Idempotency-Key`` once and only where it is honoured."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from fastapi.dependencies.models import Dependant
 from fastapi.routing import APIRoute
 
 from api_gateway.deps import Tenant
+from api_gateway.errors import UNAVAILABLE_RETRY_AFTER, ApiError
 from api_gateway.paths import decode_segments
 from api_gateway.routing import BODY_PROBLEM
+from worker.constants import ERROR_UNAVAILABLE
 from worker.errors import InvalidRequest
 
 IDEMPOTENCY_KEY = "Idempotency-Key"
@@ -25,6 +28,15 @@ def _query_names(dependant: Dependant) -> frozenset[str]:
     """The query parameters a route's ``dependant`` takes: its own and its dependencies'."""
     names = {param.alias for param in dependant.query_params}
     return frozenset(names.union(*(_query_names(d) for d in dependant.dependencies)))
+
+
+def not_starting(request: Request, _tenant: Tenant) -> None:
+    """503 ``unavailable`` while ``sift gateway`` still waits for its Redis and its start
+    checks (``/readyz`` says the same): a request let through in the moment between Redis
+    answering and the checks refusing it would have been stored on a Redis the gateway then
+    refused to serve."""
+    if (starting := request.app.state.starting) is not None:
+        raise ApiError(503, ERROR_UNAVAILABLE, starting, headers=UNAVAILABLE_RETRY_AFTER)
 
 
 async def path_is_utf8(request: Request, _tenant: Tenant) -> None:

@@ -26,6 +26,7 @@ import pytest
 import redis
 
 from tests import redis6
+from tests.keys import ACME, ACME_KEY
 from tests.redis6 import proxy_saying_version_6
 from worker.processes.stack import (
     Service,
@@ -222,6 +223,7 @@ def test_it_waits_for_a_redis_not_up_yet(tmp_path: Path, kind: str) -> None:
     port = free_port()
     env = {"SIFT_REDIS_URL": f"redis://127.0.0.1:{port}/3", "SIFT_WORKER_METRICS_PORT": "0"}
     env["SIFT_DATA_DIR"] = str(tmp_path / "data")
+    env["SIFT_API_KEYS"] = json.dumps([ACME_KEY])
     service = _late_service(kind, tmp_path, env)
     assert service.log is not None
     proc = service.start()
@@ -237,6 +239,9 @@ def test_it_waits_for_a_redis_not_up_yet(tmp_path: Path, kind: str) -> None:
             assert ready.status_code == 503, ready.text
             assert "waiting for its Redis" in ready.json()["error"]["message"], ready.text
             assert "start checks" in ready.json()["error"]["message"], ready.text
+            asked = httpx.get(url + "/v1/batches", headers=ACME, timeout=10)  # nothing taken
+            assert asked.status_code == 503, asked.text
+            assert "waiting for its Redis" in asked.json()["error"]["message"], asked.text
         with redis_server(tmp_path / "redis", port=port):
             service.wait_ready()
             assert proc.poll() is None
