@@ -594,7 +594,7 @@ def sized_backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embedded
 def test_an_index_s_running_totals_equal_a_recount_after_any_writes(
     sized_backend: EmbeddedBackend, writes: list[tuple[Any, ...]], data: Any
 ) -> None:
-    """``index_sizes``, kept by triggers in each write's transaction, equals a full recount
+    """``index_sizes``, kept by each write in its own transaction, equals a full recount
     of the rows after any mix of upserts (new ids and replacements), deletes and drops
     (versioned ones keep what was written after them), run in any order (a stale write
     skipped): a row per tenant's index holding a document, none for one emptied."""

@@ -564,8 +564,9 @@ class RedisRateBudget:
 
     def pause(self, seconds: float) -> None:
         """Every process waits ``seconds`` (capped at a minute) before its next call. A 429
-        leaves the breaker as it is (an outage answers 429s among its 529s), but a probe that
-        met one lets the next probe go once the pause is over."""
+        leaves the breaker as it is (an outage answers 429s among its 529s), but ends the
+        probe out, whichever call met it (a 429 is an answer: the provider is up), so the next
+        probe goes once the pause is over."""
         self._paused = True
         self._run((0, 0, 0), -1, pause=min(max(seconds, 0.0), MAX_PAUSE_SECONDS), answered=None)
 
