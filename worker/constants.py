@@ -275,6 +275,8 @@ METRIC_JOBS_COMPLETED = "sift_jobs_completed_total"
 METRIC_JOB_FAILURES = "sift_job_failures_total"
 METRIC_REDRIVEN = "sift_redriven_total"
 METRIC_RATE_BUDGET_WAIT = "sift_rate_budget_wait_seconds"  # the shared rate budget
+# ... and its settlements Redis failed, dropped (never raised over the call's outcome)
+METRIC_RATE_BUDGET_UNSETTLED = "sift_rate_budget_unsettled_total"
 METRIC_PROVIDER_429 = "sift_provider_429_total"  # 429 answers of the model provider
 # an erased batch's provider batches, deleted at the provider or refused for good
 METRIC_PROVIDER_DELETES = "sift_provider_batch_deletes_total"

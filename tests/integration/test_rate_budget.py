@@ -8,12 +8,14 @@ computed from Redis's own clock readings.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -23,6 +25,7 @@ from prometheus_client import REGISTRY
 
 from tests import fake_anthropic as fa
 from tests.fakes import FakeClock, FakeEmbedder, InMemoryBackend, RecordingRecorder
+from tests.services import redis_server
 from worker.adapters.anthropic import AnthropicReranker
 from worker.adapters.anthropic_batches import AnthropicMessageBatches
 from worker.adapters.rate_budget import (
@@ -52,6 +55,7 @@ from worker.errors import (
     RerankFailed,
 )
 from worker.observability.metrics import PrometheusRecorder
+from worker.redis_client import QUICK_SOCKET_TIMEOUT, connect
 from worker.runtime.bootstrap import build_batch_client, build_pipeline, build_rate_budget
 from worker.runtime.inprocess import Runtime
 from worker.runtime.ratelimit import LimitedReranker, ProviderLimiter
@@ -1790,3 +1794,90 @@ def test_a_429_answered_to_a_full_redis_pauses_every_process(
     assert searched_from + 30.0 <= until <= searched_by + 30.0
     other = RedisRateBudget(client, MODEL, RateLimit(rpm=6_000))
     assert not other.reserve(PROMPT, max_wait=1.0).admitted  # paused
+
+
+# --- Redis gone (stopped) past the client's retries, through the pipeline ------------------
+
+
+@pytest.fixture
+def gone(tmp_path: Path) -> Iterator[tuple[redis.Redis, Callable[[], None]]]:
+    """A client with a worker's options (its outage retries cut to half a second) on a
+    redis-server of the test's own, and what stops that server: each call after it meets the
+    connection refused past the retries (``ConnectionError``)."""
+    server = contextlib.ExitStack()
+    url = server.enter_context(redis_server(tmp_path / "redis"))
+    client = connect(url + "/0", outage_seconds=0.5, socket_timeout=QUICK_SOCKET_TIMEOUT)
+    try:
+        yield client, server.close
+    finally:
+        client.close()
+        server.close()
+
+
+def unsettled() -> float:
+    """The settlements with the standard lane's budget that Redis failed, so far."""
+    labels = {"model": MODEL, "lane": "standard"}
+    return REGISTRY.get_sample_value("sift_rate_budget_unsettled_total", labels) or 0.0
+
+
+@pytest.mark.parametrize(
+    ("answer", "outcome"), [(fa.good(), "ok"), (fa.refusal(), "refused")], ids=["ok", "refused"]
+)
+def test_a_billed_answer_whose_settlement_meets_redis_gone_is_shown(
+    fake: fa.FakeAnthropic,
+    gone: tuple[redis.Redis, Callable[[], None]],
+    answer: fa.Behaviour,
+    outcome: str,
+) -> None:
+    """Redis stops while the call is out: the settlement of its answer (billed: a ranking,
+    or a refusal) meets the connection refused past the client's retries, and is logged and
+    counted; the search shows the call and its usage all the same, reranked or fallen back
+    as its policy says. Before, the settlement's ``ConnectionError`` escaped the search after
+    the call was billed: its answer and usage were lost (the run left ``running``, kept
+    nowhere, for a re-drive that called the model again)."""
+    client, stop_redis = gone
+    recorder = RecordingRecorder()
+    limits = RateLimit(rpm=60, otpm=6_000)
+    pipeline, _ = build(fake, client, "fail_open", limits, recorder, answered=stop_redis)
+    fake.script([answer])
+    before = unsettled()
+    result = search(pipeline)
+    assert len(fake.requests()) == 1
+    assert result.usage.requests == 1 and result.usage.output_tokens > 0
+    assert [a["outcome"] for a in result.trace["attempts"]] == [outcome]
+    assert recorder.events["attempt", outcome] == 1
+    assert result.rerank.applied is (outcome == "ok")
+    assert unsettled() == before + 1
+    with pytest.raises(redis.ConnectionError):
+        client.ping()  # the premise: Redis gone
+
+
+@pytest.mark.parametrize("stop", [HandedBack, Canceled], ids=["worker-stop", "cancel"])
+def test_a_stop_during_the_wait_with_redis_gone_is_that_stop(
+    fake: fa.FakeAnthropic, gone: tuple[redis.Redis, Callable[[], None]], stop: type[Exception]
+) -> None:
+    """A batch item's worker stopping (or its batch canceled) during its wait for the budget,
+    Redis stopped meanwhile: the give-back of its reservation meets the connection refused
+    past the client's retries, and is logged and counted; the wait ends with the stop's own
+    error. Before, the give-back's ``ConnectionError`` replaced it: the item was taken for one
+    whose Redis failed (left ``running`` for the re-drive) instead of handed back or
+    canceled. The reservation it held stays taken until the bucket refills it."""
+    client, stop_redis = gone
+    clock = FakeClock()
+    pipeline, budget = build(
+        fake, client, "fail_closed", RateLimit(rpm=2), RecordingRecorder(),
+        deadline=120.0, clock=clock, sleep=clock.sleep,
+    )  # fmt: skip
+    exhaust(budget)
+    before = unsettled()
+
+    def stopping(billed: object) -> None:  # Redis stopped, then the stop, in the first second
+        if clock.sleeps:
+            stop_redis()
+            raise stop("the worker is stopping" if stop is HandedBack else "canceled")
+
+    spec = SearchSpec(index="docs", query="volcano ash", limit=5)
+    with pytest.raises(stop):
+        pipeline.search(spec, "acme", stopping)
+    assert fake.requests() == []
+    assert unsettled() == before + 1

@@ -52,15 +52,16 @@ class OutageStack:
 
 
 @contextmanager
-def outage_stack(tmp_path: Path) -> Iterator[OutageStack]:
+def outage_stack(tmp_path: Path, **extra: str) -> Iterator[OutageStack]:
     """A worker and a gateway at the defaults over a restartable redis-server, the fake
-    model holding every call (:data:`HELD`), the sample documents ingested."""
+    model holding every call (:data:`HELD`), the sample documents ingested; ``extra``: the
+    settings a test sets."""
     with (
         FakeAnthropic(hold_until_received=HELD) as model,
         broker(tmp_path / "redis") as redis_broker,
     ):
         url = redis_broker.url + "/0"
-        env = stack_env(url, model.url)
+        env = stack_env(url, model.url, **extra)
         env.pop("SIFT_WORKER_SOFT_SHUTDOWN_SECONDS")  # the defaults, as a user runs them
         env.pop("SIFT_WEBHOOK_RETRY_SCALE")
         env = child_env(env, inherit_sift=False)

@@ -11,10 +11,14 @@ twice. ``test_redis_outage_redrives`` has one search meet more outages than its 
 
 At the defaults, no setting shortened: the fake model holds each run's call, redis-server is
 SIGKILLed and comes back on its AOF once the worker's log says the runs ended (a few minutes).
+The shared rate budget is on (``SIFT_RATE_LIMITS``; a deployment's learns the provider's limits
+from its headers): each answer's settlement with it meets Redis down too, past its retries, and
+is dropped, the answer kept. Its ``ConnectionError`` lost the answer before it was kept.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -36,13 +40,15 @@ pytestmark = pytest.mark.integration
 
 # the worker's log line of a task waiting for Redis to settle a run it ended
 SETTLING = "Redis unreachable ended its run; waiting"
+# the shared rate budget on: each call reserves, and each answer settles, its share in Redis
+LIMITS = {"claude-haiku-4-5": {"rpm": 6_000, "itpm": 10_000_000, "otpm": 1_000_000}}
 
 
 @pytest.mark.timeout(600)
 def test_an_answer_that_comes_while_redis_is_down_past_the_retries_is_billed_once(
     tmp_path: Path,
 ) -> None:
-    with outage_stack(tmp_path) as stack:
+    with outage_stack(tmp_path, SIFT_RATE_LIMITS=json.dumps(LIMITS)) as stack:
         model, client, url = stack.model, stack.client, stack.url
         batch_id = submit_batch(client, ITEMS)
         search_id = submit_search(client, "which engine beat the world champion")
@@ -70,5 +76,7 @@ def test_an_answer_that_comes_while_redis_is_down_past_the_retries_is_billed_onc
         assert [u["requests"] for u in usages] == [1] * ITEMS
         result = search["result"]
         assert isinstance(result, dict) and result["usage"]["requests"] == 1, result
-        # the premise: each run's keep of its answer met Redis down past its retries
+        # the premise: each run's keep of its answer, and first its settlement with the
+        # rate budget, met Redis down past its retries
         assert stack.logged("could not be kept with the run claim") == ITEMS + 1
+        assert stack.logged("could not be settled") == ITEMS + 1

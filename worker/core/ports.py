@@ -251,7 +251,9 @@ class RateBudget(Protocol):
         the reservation stands. ``sent`` False: the provider never saw the call, so its
         request is given back too, and a grant that was the breaker's probe lets the next
         call probe. An answer (``usage`` given) closes the breaker a 5xx opened, unless
-        ``closes`` is False (a 429)."""
+        ``closes`` is False (a 429). Never raises: it comes after what happened to the call
+        (billed, canceled, handed back), which a failure of the budget's store must not
+        replace; a settlement not made leaves the share taken until the buckets refill it."""
         ...
 
     def pause(self, seconds: float) -> None:

@@ -10,7 +10,8 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+
+import redis
 
 from worker.adapters.rate_budget._headers import (
     NOT_STATED,
@@ -22,10 +23,6 @@ from worker.core.tokens import CHARS_PER_TOKEN, prompt_tokens
 from worker.core.types import BudgetGrant, RerankPrompt, TokenUsage
 from worker.observability import metrics
 from worker.settings import RateLimit
-
-if TYPE_CHECKING:
-    import redis
-
 
 log = logging.getLogger(__package__)  # worker.adapters.rate_budget: one logger for the budget
 
@@ -534,7 +531,14 @@ class RedisRateBudget:
         call's response headers said the provider's buckets hold (:meth:`learn`) goes in the
         same script call. The breaker's probe never sent (a cancel, or the worker's stop,
         ended its wait) ends there, as one that got no answer does, if its mark is still the
-        probe's: its lease held every process back for 20 s, sending nothing."""
+        probe's: its lease held every process back for 20 s, sending nothing.
+
+        Never raises: a settlement Redis fails (down, or silent, past the client's retries)
+        is logged and counted (``sift_rate_budget_unsettled_total``) and dropped, the share
+        left taken until the buckets refill it (and a probe given back, until its lease
+        ends). It comes after what happened to the call (its answer billed, a cancel, the
+        worker's stop): raised, it replaced that, the answer and its usage lost, the stop
+        taken for a Redis failure."""
         stated = getattr(self._call, "stated", None)
         found = getattr(self._call, "found", None)
         self._call.stated = self._call.found = None
@@ -554,13 +558,22 @@ class RedisRateBudget:
         take = (0.0 if sent else -1.0, extra_input, extra_output)
         # the limits the answer stated are stored over any other: a lower one a process
         # gone stored would otherwise hold the cluster there
-        if stated is None:
-            self._run(take, -1, answered=answered, learn=found, probe=grant.probe)
-            return
-        age = self._clock() - getattr(self._call, "sent_at", self._clock())
-        self._run(
-            take, -1, stated=stated, age=age, answered=answered, learn=found, probe=grant.probe
-        )
+        try:
+            if stated is None:
+                self._run(take, -1, answered=answered, learn=found, probe=grant.probe)
+                return
+            age = self._clock() - getattr(self._call, "sent_at", self._clock())
+            self._run(
+                take, -1, stated=stated, age=age, answered=answered, learn=found, probe=grant.probe
+            )
+        except redis.RedisError as exc:
+            metrics.budget_unsettled(self.model, self.lane)
+            log.warning(
+                "the rate budget of %s could not be settled; its share stays taken until the "
+                "bucket refills it: %s",
+                self.model,
+                exc,
+            )
 
     def pause(self, seconds: float) -> None:
         """Every process waits ``seconds`` (capped at a minute) before its next call. A 429

@@ -115,6 +115,7 @@ from worker.observability.metrics._recorder import PrometheusRecorder
 from worker.observability.metrics._recording import OTHER
 from worker.observability.metrics._rerank import (
     ATTEMPT_RESULTS,
+    BUDGET_UNSETTLED,
     BUDGET_WAIT,
     BUDGET_WAIT_BUCKETS,
     PROVIDER_429,
@@ -136,6 +137,7 @@ from worker.observability.metrics._rerank import (
     RERANK_UNREAD_INPUT,
     TOKEN_TYPES,
     InFlightReranker,
+    budget_unsettled,
     budget_waited,
     provider_429,
     provider_batch_delete,
@@ -163,6 +165,7 @@ from worker.observability.metrics._series import ALL_METRICS, preregister
 __all__ = [
     "ALL_METRICS",
     "ATTEMPT_RESULTS",
+    "BUDGET_UNSETTLED",
     "BUDGET_WAIT",
     "BUDGET_WAIT_BUCKETS",
     "CLOCK_SKEW",
@@ -229,6 +232,7 @@ __all__ = [
     "PrometheusRecorder",
     "RedisLike",
     "SweepingCollector",
+    "budget_unsettled",
     "budget_waited",
     "cancel_counted",
     "clock_skew",

@@ -17,6 +17,7 @@ from worker.constants import (
     METRIC_PROVIDER_429,
     METRIC_PROVIDER_DELETES,
     METRIC_PROVIDER_DELETES_REFUSED,
+    METRIC_RATE_BUDGET_UNSETTLED,
     METRIC_RATE_BUDGET_WAIT,
     METRIC_RERANK_ATTEMPTS,
     METRIC_RERANK_COST,
@@ -134,6 +135,14 @@ BUDGET_WAIT = Histogram(
     ["model", "lane"],
     buckets=BUDGET_WAIT_BUCKETS,
 )
+BUDGET_UNSETTLED = Counter(
+    METRIC_RATE_BUDGET_UNSETTLED,
+    "Settlements of a model call's reservation with the shared rate budget that Redis "
+    "failed (down, or silent, past the client's retries): dropped, never raised over the "
+    "call's outcome; the share they would have given back stays taken until the bucket "
+    "refills it.",
+    ["model", "lane"],
+)
 PROVIDER_429 = Counter(
     METRIC_PROVIDER_429,
     "HTTP 429 (rate limited) answers of the model provider, by model and lane: each paused "
@@ -207,6 +216,12 @@ class InFlightReranker:
 def budget_waited(model: str, lane: str, seconds: float) -> None:
     """A model call of ``lane`` waited ``seconds`` for the shared rate budget (0: none)."""
     child(BUDGET_WAIT, model, closed(lane, LANES, "lane")).observe(max(0.0, seconds))
+
+
+@never_raises
+def budget_unsettled(model: str, lane: str) -> None:
+    """A settlement with the shared rate budget of ``lane`` was dropped: Redis failed it."""
+    BUDGET_UNSETTLED.labels(model, closed(lane, LANES, "lane")).inc()
 
 
 @never_raises

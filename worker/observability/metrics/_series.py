@@ -38,6 +38,7 @@ from worker.observability.metrics._jobs import (
 from worker.observability.metrics._processes import CLOCK_SKEW, WORKER_PROCESSES, WORKER_RESTARTS
 from worker.observability.metrics._rerank import (
     ATTEMPT_RESULTS,
+    BUDGET_UNSETTLED,
     BUDGET_WAIT,
     PROVIDER_429,
     PROVIDER_DELETE_RESULTS,
@@ -95,6 +96,7 @@ ALL_METRICS: Final[tuple[Counter | Gauge | Histogram, ...]] = (
     TASK_DURATION,
     TASK_RETRIES,
     BUDGET_WAIT,
+    BUDGET_UNSETTLED,
     PROVIDER_429,
     PROVIDER_DELETES,
     PROVIDER_DELETES_REFUSED,
@@ -130,6 +132,7 @@ def preregister(
             RERANK_UNREAD.labels(model, lane)
             RERANK_UNREAD_INPUT.labels(model, lane)
             BUDGET_WAIT.labels(model, lane)
+            BUDGET_UNSETTLED.labels(model, lane)
             PROVIDER_429.labels(model, lane)
         RERANK_IN_FLIGHT.labels(model).set(0)
     for outcome in RERANK_OUTCOME_VALUES:
