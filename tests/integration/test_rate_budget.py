@@ -1796,6 +1796,37 @@ def test_a_429_answered_to_a_full_redis_pauses_every_process(
     assert not other.reserve(PROMPT, max_wait=1.0).admitted  # paused
 
 
+def test_a_submission_at_a_full_redis_takes_its_places_in_the_processing_queue(
+    fake: fa.FakeAnthropic, client: redis.Redis, redis_url: str, fill: Callable[[], None]
+) -> None:
+    """Redis fills once a submission has written down the create it is about to make (its
+    items' runs, written just before): the create's share of the provider's processing queue
+    is taken there all the same (its script flagged ``allow-oom``), so the create is sent, its
+    entry named for its provider batch and dropped when a poll sees that end; the cap still
+    holds. Refused before, the take's ``OutOfMemoryError`` stopped the create unsent, its runs
+    saying it was under way: the next run had to settle it as a create in doubt."""
+    settings = load_settings(
+        generation_model=f"anthropic:{MODEL}",
+        redis_url=redis_url,
+        rate_limits={MODEL: {"economy": {"queued": 8}}},
+    )
+    batches = build_batch_client(settings)
+    assert isinstance(batches, MeteredBatches) and batches.queue is not None
+    sdk = anthropic.Anthropic(base_url=fake.url, api_key="sk-test", max_retries=0)
+    batches.reranker._client, batches.reranker._owns_client = sdk, False
+    requests = [{"custom_id": f"i{i}", "params": batches.request_params(PROMPT)} for i in range(6)]
+    fill()
+    created = batches.create(requests)
+    assert len(fake.batches()) == 1 and batches.queue.queued() == 6
+    assert client.hkeys(batches.queue.key) == [created.id.encode()]
+    with pytest.raises(BatchQueueFull):
+        batches.create(requests)  # 12 would be queued: not sent
+    assert len(fake.batches()) == 1
+    assert batches.retrieve(created.id).ended  # the fake processes at once
+    assert batches.queue.queued() == 0
+    assert still_full(client)
+
+
 # --- Redis gone (stopped) past the client's retries, through the pipeline ------------------
 
 

@@ -28,7 +28,18 @@ QUEUE_RETRY_SECONDS = 30.0
 # goes alone). 'name': ARGV[2] the placeholder becomes ARGV[3], the provider batch's id.
 # 'drop': ARGV[2] leaves. Answers {admitted (1/0), requests queued before}. Expired entries
 # (a batch whose end no poll saw) are dropped as they are met.
-QUEUE_SCRIPT = """
+# Flagged allow-oom: what it writes is bounded, whatever the calls. A 'take' adds one entry of
+# a few dozen bytes, and only while the live entries' requests and its own (one at least) fit
+# under the cap, or it goes alone: at most the cap's number of entries (in practice one per
+# provider batch, of hundreds of requests), each gone when a poll sees its batch end, its
+# create fails, or past QUEUE_ENTRY_SECONDS, the hash under that TTL too; 'name' and 'drop'
+# add nothing. At Redis's maxmemory (noeviction) a submission reaches its 'take' only just
+# after its items' runs wrote down the create (refused there, as every other write of the
+# submission): it stopped that create unsent, the runs saying it was under way, and the next
+# run had to settle it as a create in doubt (wait out the doubt window, list the provider's
+# batches, and poll any of its size another client made then). Let through, the create is
+# sent as its runs say; a record of it Redis then refuses is what that settling finds.
+QUEUE_SCRIPT = """#!lua flags=allow-oom
 local key = KEYS[1]
 local op = ARGV[1]
 if op == 'drop' then
