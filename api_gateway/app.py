@@ -136,7 +136,8 @@ def create_app(
         app.state.store = store
         app.state.async_store = async_store
         app.state.backlog = Backlog(async_store.in_flight, settings.max_backlog)
-        app.state.memory = StoreMemory(with_results_owed(async_store.memory, async_store.in_flight))
+        owed = with_results_owed(async_store.memory, async_store.owed_bytes)
+        app.state.memory = StoreMemory(owed)
         app.state.sender = sender
         app.state.retakes = set()  # cancel-count takes sent again (api_gateway/jobs/)
         # webhook URLs' name lookups at registration, on threads of their own (api_gateway/jobs/)

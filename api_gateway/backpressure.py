@@ -16,9 +16,9 @@ And past 90 % of Redis's ``maxmemory`` (:class:`StoreMemory`), new jobs are refu
 still write their ends. A batch, or a search as a batch of one, is judged with what it will
 add (:func:`batch_bytes`, its items and their results, each hit priced by its index's mean
 document, :func:`hit_bytes`), so one admitted below 90 % does not fill Redis on its own;
-and what Redis holds is read with the results the work queued or running still owes
-(:func:`with_results_owed`), so batches admitted one after another do not fill it together
-(that owed figure is still a fixed size a result: see :data:`OWED_BYTES`).
+and what Redis holds is read with the results the work queued or running still owes, each
+job's as it was priced when admitted (:func:`with_results_owed`), so batches admitted one
+after another do not fill it together.
 """
 
 from __future__ import annotations
@@ -197,34 +197,42 @@ def batch_bytes(
     >>> batch_bytes([("q1", "{}")], hits=10, traced=False, per_hit=99_320)
     993604
     """
-    per_item = ITEM_BYTES + (TRACE_BYTES if traced else 0)
     stored = sum(len(query_id) + len(spec) for query_id, spec in items)
-    return stored + len(items) * per_item + hits * per_hit
+    return stored + results_bytes(len(items), hits, traced, per_hit)
 
 
-#: What a search or batch item not finished yet will still write: its result, of 10 hits (the
-#: default limit) of the fixed size, whatever its index. A search or batch admitted is judged
-#: with its own results, priced by its index (:func:`batch_bytes`); those of the work admitted
-#: before it, not written yet, are counted with each reading at this size: an item over long
-#: documents owes more than it says here.
-OWED_BYTES = ITEM_BYTES + 10 * HIT_BYTES
+def results_bytes(items: int, hits: int, traced: bool, per_hit: int = HIT_BYTES) -> int:
+    """What a batch of ``items`` (:func:`batch_bytes`'s other arguments) still owes once it is
+    stored: its items' results, written as each finishes. The job store keeps it, from the
+    job's admission until its items finish (``owed_bytes`` in ``sift:stats:jobs``), and each
+    reading of Redis's memory is judged with it (:func:`with_results_owed`).
+
+    >>> results_bytes(1, hits=10, traced=False), results_bytes(1, hits=10, traced=True)
+    (4600, 8600)
+    """
+    return items * (ITEM_BYTES + (TRACE_BYTES if traced else 0)) + hits * per_hit
 
 
-def with_results_owed(read: MemoryReading, in_flight: InFlight) -> MemoryReading:
+OwedReading = Callable[[], Awaitable[int]]  # AsyncJobStore.owed_bytes
+
+
+def with_results_owed(read: MemoryReading, owed: OwedReading) -> MemoryReading:
     """``read`` (what Redis holds, and its ``maxmemory``), what it holds counted with the
-    results its searches and batch items queued or running will still write
-    (:data:`OWED_BYTES` each; ``in_flight``, the store's counts). Counted only until the
-    next reading, a batch's results were forgotten 0.5 s after its admission: batches
-    admitted one after another at 80 % each passed, and together filled Redis."""
+    results its searches and batch items queued or running will still write, each priced as
+    it was admitted (:func:`results_bytes`; ``owed``, the store's sum of them). Counted
+    only until the next reading, a batch's results were forgotten 0.5 s after its
+    admission: batches admitted one after another at 80 % each passed, and together filled
+    Redis; counted at a fixed 4.6 kB an item, so were batches over documents of 30 kB,
+    each priced at 3.6 MB and counted at 55 kB once admitted (three admitted at 79 %, two
+    thirds of their items written when Redis was at 99 %)."""
 
-    async def owed() -> tuple[int, int]:
+    async def with_owed() -> tuple[int, int]:
         used, limit = await read()
         if not limit:  # no maxmemory: nothing to judge, no second read
             return used, limit
-        counts = await in_flight()
-        return used + (counts["queued"] + counts["running"]) * OWED_BYTES, limit
+        return used + await owed(), limit
 
-    return owed
+    return with_owed
 
 
 def _mb(size: float) -> str:

@@ -161,7 +161,7 @@ async def create_batch(
             ]
 
         try:
-            adding, what = await results_size(
+            adding, owed, what = await results_size(
                 request,
                 tenant,
                 parsed.head.index,
@@ -183,6 +183,7 @@ async def create_batch(
                         webhook_url=body.webhook_url,
                         enqueue=enqueue,
                         claim=idem.ref,
+                        owed_bytes=owed,
                     ),
                     chunks,
                 )

@@ -116,7 +116,7 @@ async def create_search(
         try:
             asked = body.model_dump(exclude={"webhook_url"})
             spec = SearchSpec.model_validate({**asked, "rerank": rerank})
-            adding, what = await results_size(  # priced as a batch of one, by its index
+            adding, owed, what = await results_size(  # priced as a batch of one, by its index
                 request,
                 tenant,
                 body.index,
@@ -130,7 +130,12 @@ async def create_search(
                 fresh = await _create_and_enqueue_async(
                     task_sender(request),
                     lambda enqueue: async_store.create_search(
-                        tenant, spec, webhook_url=body.webhook_url, enqueue=enqueue, claim=idem.ref
+                        tenant,
+                        spec,
+                        webhook_url=body.webhook_url,
+                        enqueue=enqueue,
+                        claim=idem.ref,
+                        owed_bytes=owed,
                     ),
                     lambda job_id: [(SEARCH_TASK, [job_id], SEARCH_QUEUE)],
                 )

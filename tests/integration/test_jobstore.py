@@ -115,6 +115,53 @@ def test_a_search_is_finished_once(store: JobStore) -> None:
     assert store.in_flight() == {"queued": 0, "running": 0}
 
 
+def test_the_bytes_a_job_owes_are_added_at_its_create_and_released_as_its_items_end(
+    store: JobStore, redis_url: str
+) -> None:
+    """What the gateway priced a job's results at is owed (``owed_bytes`` in the stats hash)
+    from the script or MULTI that counts it queued to the scripts that end it: a search's
+    finish, a batch item's finish or cancel, a batch's cancel (an even share an item, rounded
+    up). Once nothing is queued or running, nothing is owed, whatever a worker of an earlier
+    release left unreleased; the gateway's reading never goes below zero."""
+
+    def owed() -> int | None:
+        value = store.redis.hget(STATS_KEY, "owed_bytes")
+        return None if value is None else int(value)
+
+    store.redis.hset(STATS_KEY, "owed_bytes", 7_000)  # left by a worker of an earlier release
+    search = store.create_search("acme", spec(), owed_bytes=1_000)
+    assert owed() == 8_000
+    batch = store.create_batch(
+        "acme", "docs", [(f"q{i}", spec()) for i in range(4)], owed_bytes=4_003
+    )
+    assert owed() == 8_000 + 4 * 1_001
+    assert store.start_search(search.id) and owed() == 8_000 + 4 * 1_001  # still owed
+    assert store.finish_search(search.id, result=result("s"))
+    assert owed() == 7_000 + 4 * 1_001
+    assert store.start_item(batch.id, "q0")
+    assert store.finish_item(batch.id, "q0", result=result("q0")).applied
+    assert owed() == 7_000 + 3 * 1_001
+    assert not store.finish_item(batch.id, "q0", result=result("again")).applied
+    assert store.cancel_item(batch.id, "q1").applied and owed() == 7_000 + 2 * 1_001
+    assert store.start_item(batch.id, "q2")  # running: the batch's cancel leaves it
+    assert store.cancel_batch(batch.id) == (1, False) and owed() == 7_000 + 1_001
+    assert store.finish_item(batch.id, "q2", error=ErrorInfo(type="x", message="m")).applied
+    assert store.in_flight() == {"queued": 0, "running": 0}
+    assert owed() is None  # nothing queued or running: the 7,000 left over went with it
+    unpriced = store.create_search("acme", spec())  # no maxmemory, or an earlier gateway's
+    assert owed() is None and store.finish_search(unpriced.id, result=result("u"))
+    store.redis.hset(STATS_KEY, "owed_bytes", -5)  # whatever drift: read as none
+
+    async def read() -> int:
+        async_store = AsyncJobStore.from_url(redis_url, max_connections=1)
+        try:
+            return await async_store.owed_bytes()
+        finally:
+            await async_store.close()
+
+    assert asyncio.run(read()) == 0
+
+
 def test_each_final_move_with_a_webhook_records_it_owed_until_settled(store: JobStore) -> None:
     """A search's finish, a batch's last item and a cancel completing a batch record the
     webhook owed, in their own script, scored at the move; a job with no webhook, an ingest
@@ -288,7 +335,10 @@ def test_a_finish_sent_again_or_late_adds_to_its_batchs_totals_once(
 
 def test_counts_never_drift_under_racing_redeliveries_and_cancel(store: JobStore) -> None:
     n = 400
-    batch = store.create_batch("acme", "docs", [(f"q{i}", spec()) for i in range(n)])
+    store.create_search("acme", spec(), owed_bytes=1_000)  # queued throughout
+    batch = store.create_batch(
+        "acme", "docs", [(f"q{i}", spec()) for i in range(n)], owed_bytes=n * 100
+    )
     completions: list[bool] = []
     canceled_by_a_start: list[str] = []
     lock = threading.Lock()
@@ -337,6 +387,9 @@ def test_counts_never_drift_under_racing_redeliveries_and_cancel(store: JobStore
     assert sum(completions) + int(canceled[1]) == 1  # the batch completes exactly once
     assert got.finished_at is not None
     assert got.status == ("canceled" if c["canceled"] else "succeeded")
+    # every item's share released once, whichever move or cancel ended it: the search's left
+    assert store.in_flight() == {"queued": 1, "running": 0}
+    assert store.redis.hget(STATS_KEY, "owed_bytes") == "1000"
 
 
 def _snapshot(store: JobStore, batch_id: str) -> list[dict[str, str]]:

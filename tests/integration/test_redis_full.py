@@ -20,6 +20,7 @@ from api_gateway.app import create_app
 from api_gateway.backpressure import READ_EVERY_SECONDS
 from tests.integration.gateway_app import ACME, gateway_settings
 from tests.services import unable_to_persist
+from worker.constants import STATS_KEY
 from worker.contract import SearchSpec
 from worker.queue.jobstore import JobStore
 
@@ -245,6 +246,39 @@ def test_the_results_owed_to_batches_admitted_before_count_against_the_next(
     assert second.status_code == 503, second.text
     assert second.json()["error"]["type"] == "job_store_full", second.text
     assert "with the results owed" in second.json()["error"]["message"], second.text
+
+
+def test_the_results_owed_to_batches_over_long_documents_count_as_they_were_priced(
+    client: TestClient, store: JobStore, four_fifths_full: int
+) -> None:
+    """What the work admitted before still owes was counted at 4.6 kB an item, whatever its
+    index, where a batch is priced by its index's mean document: batches over long documents
+    sent one after another each passed, counted at a hundredth of their size once admitted,
+    and their results filled Redis together. Each job's price is owed, from its admission
+    until its items end: of two batches over documents whose hits fill three tenths of the
+    room left each, the second, sent after a new reading, is refused before anything is
+    written; once the first is canceled it owes nothing, and the second is taken."""
+    room = int(0.1 * four_fifths_full)  # from 80 % to the 90 % new jobs are refused past
+    store.record_index_size("acme", "long", 50, 50 * (room * 3 // 100))  # as a worker would
+    body = {"index": "long", "queries": [{"id": f"q{i}", "query": "tea"} for i in range(2)]}
+    first = client.post("/v1/batches", json=body, headers=ACME)
+    assert first.status_code == 202, first.text
+    time.sleep(READ_EVERY_SECONDS + 0.2)  # the memory read again: not a speed check
+    keys = sorted(store.redis.keys())
+    owed = store.redis.hget(STATS_KEY, "owed_bytes")
+    second = client.post("/v1/batches", json=body, headers=ACME)
+    assert second.status_code == 503, second.text
+    error = second.json()["error"]
+    assert error["type"] == "job_store_full", error
+    assert "with the results owed" in error["message"] and "index 'long'" in error["message"]
+    assert sorted(store.redis.keys()) == keys
+    assert store.redis.hget(STATS_KEY, "owed_bytes") == owed
+    canceled = client.delete(f"/v1/batches/{first.json()['id']}", headers=ACME)
+    assert canceled.status_code == 200, canceled.text
+    assert store.redis.hget(STATS_KEY, "owed_bytes") is None  # nothing queued: none owed
+    time.sleep(READ_EVERY_SECONDS + 0.2)
+    taken = client.post("/v1/batches", json=body, headers=ACME)
+    assert taken.status_code == 202, taken.text
 
 
 def test_a_batch_s_results_still_read_on_a_full_job_store(

@@ -20,6 +20,7 @@ from api_gateway.backpressure import (
     TooLargeForStore,
     batch_bytes,
     hit_bytes,
+    results_bytes,
 )
 from api_gateway.jobs._shared import results_size
 
@@ -202,7 +203,8 @@ def test_a_hit_is_priced_by_its_index_s_mean_document_or_the_fixed_size_when_unk
 
 def test_a_search_or_batch_is_priced_only_when_redis_has_a_maxmemory() -> None:
     """Without a ``maxmemory`` no admission reads the bytes a job adds, so the gateway does
-    not read its index's size from Redis for every search; with one, it does."""
+    not read its index's size from Redis for every search (what its result owes is priced at
+    the fixed size); with one, it does, and what it owes is priced by its index too."""
 
     class Store:
         def __init__(self) -> None:
@@ -222,11 +224,13 @@ def test_a_search_or_batch_is_priced_only_when_redis_has_a_maxmemory() -> None:
     async def scenario() -> None:
         unlimited, limited = Store(), Store()
         args = ("acme", "docs", [("", "{}")], 10, False, "this search")
-        assert await results_size(request(0, unlimited), *args) == (0, "this search")
+        owed = results_bytes(1, 10, False)
+        assert await results_size(request(0, unlimited), *args) == (0, owed, "this search")
         assert unlimited.sizes_read == 0
-        adding, what = await results_size(request(1 << 30, limited), *args)
+        adding, owed, what = await results_size(request(1 << 30, limited), *args)
         assert limited.sizes_read == 1
         assert adding == batch_bytes([("", "{}")], 10, False, hit_bytes((10, 99_000)))
+        assert owed == results_bytes(1, 10, False, hit_bytes((10, 99_000))) == adding - 2
         assert "index 'docs'" in what
 
     asyncio.run(scenario())

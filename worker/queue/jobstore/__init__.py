@@ -8,10 +8,12 @@ Layout (every prefix is in :mod:`worker.constants`):
 
     sift:search:<id>          hash   kind, tenant, status, spec, result, error, webhook_url,
                                      created_at, started_at, finished_at, move (the token
-                                     of its last status change), run (its run claim)
+                                     of its last status change), run (its run claim),
+                                     owed_bytes (what its result owes: sift:stats:jobs)
     sift:batch:<id>           hash   tenant, index, lane, rerank, webhook_url, total,
                                      created_at, canceled_at, finished_at, cancel_move (the
-                                     last cancel's token and answer)
+                                     last cancel's token and answer), owed_item_bytes (what
+                                     each item's result owes)
     sift:batch-order:<id>     list   query ids in submission order (pages read from it)
     sift:batch-specs:<id>     hash   query id -> SearchSpec JSON
     sift:batch-items:<id>     hash   query id -> status
@@ -39,7 +41,10 @@ Layout (every prefix is in :mod:`worker.constants`):
     sift:idem:<tenant>:<h>    string {"fp", "state", "job"} for one Idempotency-Key
     sift:attempts:<task>:<n>  string deliveries of one task message
     sift:attempts-freed:<task>:<n> string of them, those left uncounted as an outage's returns
-    sift:stats:jobs           hash   queued / running searches and batch items right now
+    sift:stats:jobs           hash   queued / running searches and batch items right now,
+                                     and owed_bytes: what their results will still write, as
+                                     each job's admission priced it (added with its queued
+                                     count, released as each ends, in the same scripts)
     sift:active               zset   search, ingest and batch ids not final yet
                                      -> the time of their last status change (the re-drive's)
     sift:jobs:<kind>:<tenant> zset   the tenant's search, batch or ingest ids -> created_at

@@ -106,10 +106,11 @@ class AsyncJobStore:
         webhook_url: str | None = None,
         enqueue: Enqueue | None = None,
         claim: IdempotencyRef | None = None,
+        owed_bytes: int = 0,
     ) -> SearchJob:
         """:meth:`JobStore.create_search`, awaited."""
         job = _new_search(tenant, spec, webhook_url)
-        keys, args = _create_search_call(job, self.result_ttl, enqueue, claim)
+        keys, args = _create_search_call(job, self.result_ttl, enqueue, claim, owed_bytes)
         async for attempt in resending_async():
             with attempt:
                 reply = await self._create_search(keys=keys, args=args)
@@ -127,6 +128,11 @@ class AsyncJobStore:
     async def in_flight(self) -> dict[str, int]:
         """:meth:`JobStore.in_flight`, awaited."""
         return _in_flight(cast(dict[str, str], await self.redis.hgetall(STATS_KEY)))
+
+    async def owed_bytes(self) -> int:
+        """What the searches and batch items queued or running will still write, each priced
+        as the gateway admitted it (``owed_bytes`` in ``sift:stats:jobs``)."""
+        return max(0, int(await self.redis.hget(STATS_KEY, "owed_bytes") or 0))
 
     async def index_size(self, tenant: str, index: str) -> tuple[int, int] | None:
         """The documents of the tenant's index and their stored bytes, as a worker recorded

@@ -179,9 +179,13 @@ class BatchRecords(_StoreCore):
         webhook_url: str | None = None,
         enqueue: Enqueue | None = None,
         claim: IdempotencyRef | None = None,
+        owed_bytes: int = 0,
     ) -> BatchJob:
         """Store a batch and its items, all ``queued``, with its task messages from
-        ``enqueue`` and, with ``claim``, the Idempotency-Key bound to it.
+        ``enqueue`` and, with ``claim``, the Idempotency-Key bound to it. ``owed_bytes``:
+        what its items' results will add, as the gateway priced them
+        (``api_gateway.backpressure.results_bytes``), owed an even share an item (its record's
+        ``owed_item_bytes``, rounded up) until each item ends.
 
         The items go first, in a pipeline of slices (:meth:`_stage_items`): Redis serves
         other clients between two slices, where one MULTI of 100,000 items held it for a
@@ -231,7 +235,7 @@ class BatchRecords(_StoreCore):
             # seconds): newest first, a batch committed after another is listed above it
             batch.created_at = _now()
             pipe.multi()
-            self._commit_batch(pipe, batch, messages)
+            self._commit_batch(pipe, batch, messages, -(-owed_bytes // max(1, batch.total)))
             if binding is not None:
                 name, value, ttl = binding
                 pipe.set(name, value, ex=ttl)
@@ -269,13 +273,18 @@ class BatchRecords(_StoreCore):
         raise_exec_error(pipe.execute())
 
     def _commit_batch(
-        self, pipe: redis.client.Pipeline, batch: BatchJob, messages: Sequence[tuple[str, str]]
+        self,
+        pipe: redis.client.Pipeline,
+        batch: BatchJob,
+        messages: Sequence[tuple[str, str]],
+        owed_item: int = 0,
     ) -> None:
         """Queue a new batch's commit in ``pipe``'s MULTI: its record, counts, its staged
         items kept (their short TTL dropped: no key of a batch not final expires, so its items
         stay counted as long as they are queued or running; the move or cancel that completes
-        it gives every key its retention), the queued count, the re-drive's active set and
-        its task messages."""
+        it gives every key its retention), the queued count and the bytes its items owe
+        (``owed_item`` each, released as each ends), the re-drive's active set and its task
+        messages."""
         bid = batch.id
         pipe.hset(
             BATCH_KEY + bid,
@@ -290,6 +299,9 @@ class BatchRecords(_StoreCore):
                 TOTALS_MARKER[0]: TOTALS_MARKER[1],
             },
         )
+        if owed_item > 0:
+            pipe.hset(BATCH_KEY + bid, "owed_item_bytes", str(owed_item))
+            pipe.hincrby(STATS_KEY, "owed_bytes", owed_item * batch.total)
         pipe.hset(BATCH_COUNTS_KEY + bid, mapping={k: str(v) for k, v in batch.counts.items()})
         # a placeholder field ("" is never a query id) so the key exists now, as it always has
         pipe.hset(BATCH_RESULTS_KEY + bid, "", "")

@@ -8,6 +8,22 @@ from __future__ import annotations
 
 from worker.write_versions import TAKE_VERSION
 
+# Releases ``bytes`` of the results owed (the stats hash's ``owed_bytes``: what the searches and
+# batch items queued or running will still write, each priced by the gateway that admitted it,
+# added with its queued count) as a search or batch items end, in the script that moves their
+# counts. Once nothing is queued or running nothing is owed, and the field goes: a release
+# left unmade (a worker of an earlier release ending work a later gateway priced) is not
+# counted for good.
+_RELEASE_OWED = """
+local function release_owed(stats, bytes)
+  local left = redis.call('HINCRBY', stats, 'owed_bytes', -bytes)
+  local c = redis.call('HMGET', stats, 'queued', 'running')
+  if left <= 0 or ((tonumber(c[1]) or 0) <= 0 and (tonumber(c[2]) or 0) <= 0) then
+    redis.call('HDEL', stats, 'owed_bytes')
+  end
+end
+"""
+
 # KEYS: record, stats, active, webhooks owed, then the job's re-drive bookkeeping (its outage
 # notes, its re-drive count, a batch's positions' counts: RE_DRIVE_KEYS in store.py). ARGV: to,
 # allowed-from (comma list), ttl, now,
@@ -25,7 +41,9 @@ from worker.write_versions import TAKE_VERSION
 # _COUNT_REDRIVES): a final job is never re-driven, and a key that names the job and outlives
 # its record is one an older release's erase or purge, whose key lists predate the notes,
 # leaves behind (the counts lived their retention naming a finished or erased job).
-_TRANSITION_JOB = """
+_TRANSITION_JOB = (
+    _RELEASE_OWED
+    + """
 local cur = redis.call('HGET', KEYS[1], 'status')
 if not cur then return -1 end
 if ARGV[6] ~= '' and redis.call('HGET', KEYS[1], 'move') == ARGV[6] then return 1 end
@@ -39,6 +57,8 @@ if cur ~= to then
   if to == 'queued' or to == 'running' then redis.call('HINCRBY', KEYS[2], to, 1) end
 end
 if to == 'succeeded' or to == 'failed' or to == 'canceled' then
+  local owed = tonumber(redis.call('HGET', KEYS[1], 'owed_bytes'))
+  if owed then release_owed(KEYS[2], owed) end
   redis.call('ZREM', KEYS[3], ARGV[5])
   local hook = redis.call('HGET', KEYS[1], 'webhook_url')
   if hook and hook ~= '' then redis.call('ZADD', KEYS[4], ARGV[4], ARGV[5]) end
@@ -53,6 +73,7 @@ else
 end
 return 1
 """
+)
 
 # Moves one batch item from a status in allowed-from to ``to``.
 # KEYS: 1 items, 2 results, 3 counts, 4 batch, 5 stats, 6 active, 7 moves, 8 run claims,
@@ -88,7 +109,9 @@ return 1
 # run did, and the batch's completion is not lost with that reply. A move that makes the
 # item final drops the model's answer its run claim kept (_KEEP_ANSWER): no run comes after.
 # The move that completes a batch with a webhook records the webhook owed, as a job's does.
-_TRANSITION_ITEM = """
+_TRANSITION_ITEM = (
+    _RELEASE_OWED
+    + """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if not cur then return {-1, 0} end
 if ARGV[8] ~= '' then
@@ -139,6 +162,8 @@ if to ~= 'succeeded' and to ~= 'failed' and to ~= 'canceled' then
   redis.call('ZADD', KEYS[6], 'XX', ARGV[5], ARGV[6])
   return {1, canceled}
 end
+local owed = tonumber(redis.call('HGET', KEYS[4], 'owed_item_bytes'))
+if owed then release_owed(KEYS[5], owed) end
 if outcome ~= '' then
   for i = 14, #ARGV, 2 do
     if ARGV[i] == 'usage_cost_usd' or string.sub(ARGV[i], 1, 8) == 'seconds_' then
@@ -176,6 +201,7 @@ if ARGV[8] ~= '' then
 end
 return {code, canceled}
 """
+)
 
 # _TRANSITION_ITEM flagged allow-oom, for one move alone: running -> queued, the item a stopping
 # worker hands back keeping no calls (BatchItemRecords.requeue_item). That move only rewrites
@@ -211,7 +237,9 @@ _REQUEUE_ITEM = "#!lua flags=allow-oom" + _TRANSITION_ITEM
 # cancel are one script, so a cancel racing the last item's finish is decided by one side).
 # The batch keeps the last cancel's token and answer, so the same call sent again after its
 # reply was lost answers what it did (not "already finished" for a cancel that finished it).
-_CANCEL_BATCH = """
+_CANCEL_BATCH = (
+    _RELEASE_OWED
+    + """
 if redis.call('EXISTS', KEYS[3]) == 0 then return {-1, 0} end
 if ARGV[3] ~= '' then
   local last = redis.call('HGET', KEYS[3], 'cancel_move')
@@ -236,6 +264,8 @@ if n > 0 then
   redis.call('HINCRBY', KEYS[2], 'queued', -n)
   redis.call('HINCRBY', KEYS[2], 'canceled', n)
   redis.call('HINCRBY', KEYS[4], 'queued', -n)
+  local owed = tonumber(redis.call('HGET', KEYS[3], 'owed_item_bytes'))
+  if owed then release_owed(KEYS[4], n * owed) end
 end
 local c = redis.call('HMGET', KEYS[2], 'succeeded', 'failed', 'canceled')
 local done = (tonumber(c[1]) or 0) + (tonumber(c[2]) or 0) + (tonumber(c[3]) or 0)
@@ -265,6 +295,7 @@ if ARGV[3] ~= '' then
 end
 return {n, completed}
 """
+)
 
 
 # A new search, atomically (one command where a MULTI would be seven round trips of parsing).
@@ -285,6 +316,8 @@ if #KEYS > 4 + m then
 end
 redis.call('HSET', KEYS[1], unpack(ARGV, 6, 5 + n))
 redis.call('HINCRBY', KEYS[2], 'queued', 1)
+local owed = redis.call('HGET', KEYS[1], 'owed_bytes')
+if owed then redis.call('HINCRBY', KEYS[2], 'owed_bytes', owed) end
 redis.call('ZADD', KEYS[3], ARGV[4], ARGV[3])
 redis.call('ZADD', KEYS[4], ARGV[4], ARGV[3])
 redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', tonumber(ARGV[4]) - tonumber(ARGV[5]))

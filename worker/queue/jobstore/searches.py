@@ -48,15 +48,23 @@ def _new_search(tenant: str, spec: SearchSpec, webhook_url: str | None) -> Searc
 
 
 def _create_search_call(
-    job: SearchJob, ttl: int, enqueue: Enqueue | None, claim: IdempotencyRef | None
+    job: SearchJob,
+    ttl: int,
+    enqueue: Enqueue | None,
+    claim: IdempotencyRef | None,
+    owed_bytes: int = 0,
 ) -> tuple[list[str], list[str | int]]:
     """KEYS and ARGV of :data:`_CREATE_SEARCH` for a new search: its record, its task
-    messages, and its Idempotency-Key's pending record."""
+    messages, and its Idempotency-Key's pending record; ``owed_bytes``, what its result will
+    add to Redis as its admission priced it, kept in its record (``owed_bytes``) and owed in
+    ``sift:stats:jobs`` until it ends."""
     fields = [
         "kind", "search", "tenant", job.tenant, "status", job.status.value,
         "spec", job.spec.model_dump_json(), "webhook_url", job.webhook_url or "",
         "created_at", repr(job.created_at),
     ]  # fmt: skip
+    if owed_bytes > 0:
+        fields += ["owed_bytes", str(owed_bytes)]
     messages = list(enqueue(job.id)) if enqueue is not None else []
     index = job_index_key(KIND_SEARCH, job.tenant)
     keys = [SEARCH_KEY + job.id, STATS_KEY, ACTIVE_JOBS_KEY, index, *(key for key, _ in messages)]
@@ -112,12 +120,15 @@ class SearchRecords(_StoreCore):
         webhook_url: str | None = None,
         enqueue: Enqueue | None = None,
         claim: IdempotencyRef | None = None,
+        owed_bytes: int = 0,
     ) -> SearchJob:
         """Store a ``queued`` search atomically (one script), with its task messages from
         ``enqueue`` and, with ``claim``, the Idempotency-Key bound to it; raises
-        :class:`IdempotencyKeyBound`, writing nothing, if that key names a job already."""
+        :class:`IdempotencyKeyBound`, writing nothing, if that key names a job already.
+        ``owed_bytes``: what its result will add, owed until it ends (the gateway's price of
+        it: ``api_gateway.backpressure.results_bytes``)."""
         job = _new_search(tenant, spec, webhook_url)
-        keys, args = _create_search_call(job, self.result_ttl, enqueue, claim)
+        keys, args = _create_search_call(job, self.result_ttl, enqueue, claim, owed_bytes)
         return _search_created(job, self._create_search(keys=keys, args=args), claim)
 
     def get_search(self, job_id: str) -> SearchJob | None:
