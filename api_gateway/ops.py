@@ -12,7 +12,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from api_gateway.auth import require_metrics_token
-from api_gateway.errors import UNAVAILABLE_RETRY_AFTER, ErrorBody, error_response
+from api_gateway.errors import (
+    UNAVAILABLE_RETRY_AFTER,
+    ErrorBody,
+    error_response,
+    job_store_unavailable,
+    unavailable_reason,
+)
 from api_gateway.metrics import GatewayMetrics
 from api_gateway.routing import GetAnswersHead
 from api_gateway.schemas import Health
@@ -39,6 +45,14 @@ router = APIRouter(route_class=GetAnswersHead)
 REDIS_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, OSError)
 
 
+#: What the OpenAPI document says of ``/readyz``'s 503
+READYZ_503 = (
+    "Not ready, retry after `Retry-After` seconds: `unavailable`, naming why: `sift gateway` "
+    "still waits for its Redis and its start checks, or Redis (the job store) is down, "
+    "restarting or did not answer in time."
+)
+
+
 @router.get("/healthz", response_model=Health, tags=["ops"], summary="The process is up")
 async def healthz() -> Health:
     return Health(status="ok")
@@ -48,7 +62,7 @@ async def healthz() -> Health:
     "/readyz",
     response_model=Health,
     tags=["ops"],
-    responses={503: {"model": ErrorBody}},
+    responses={503: {"model": ErrorBody, "description": READYZ_503}},
     summary="Redis answers",
 )
 async def readyz(request: Request) -> Response:
@@ -59,11 +73,8 @@ async def readyz(request: Request) -> Response:
         await run_in_threadpool(store.ping)
     except REDIS_ERRORS as exc:
         log.warning("not ready: %s", exc)
-        return Response(
-            Health(status="unavailable").model_dump_json(),
-            status_code=503,
-            media_type="application/json",
-        )
+        # the body its OpenAPI 503 declares, as every 503's: it was {"status": "unavailable"}
+        raise job_store_unavailable(unavailable_reason(request.app, exc)) from exc
     return Response(Health(status="ok").model_dump_json(), media_type="application/json")
 
 

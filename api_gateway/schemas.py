@@ -256,4 +256,6 @@ class IngestJobOut(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok", "unavailable"]
+    """``/healthz``'s and ``/readyz``'s 200 (a 503 is an ``ErrorBody``)."""
+
+    status: Literal["ok"]

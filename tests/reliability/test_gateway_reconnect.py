@@ -23,8 +23,10 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
+import jsonschema
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
@@ -172,6 +174,34 @@ def test_while_redis_is_down_each_request_is_a_503_logged_once_on_a_connection_k
         assert len(lines) == len(down), lines
         assert all("ConnectionError" in line for line in lines), lines
         assert "Traceback" not in text and "Exception in ASGI application" not in text
+
+
+@pytest.mark.timeout(120)
+def test_readyz_with_redis_down_is_the_declared_503_naming_the_cause(tmp_path: Path) -> None:
+    """``/readyz`` with Redis stopped answers the 503 its OpenAPI document declares (an
+    ``ErrorBody``, as its 503 while ``sift gateway`` waits for Redis, and every request's),
+    naming the cause and when to ask again. It was ``{"status": "unavailable"}``, which no
+    schema in the document allowed for a 503: a client reading ``error.message`` found none."""
+    with redis_and_gateway(tmp_path) as (server, client, _):
+        doc = client.get("/openapi.json").json()
+        ready = client.get("/readyz")
+        server.stop(signal.SIGKILL)
+        down = client.get("/readyz")
+    assert ready.status_code == 200 and _valid(doc, "/readyz", "200", ready.json()), ready.text
+    assert down.status_code == 503, down.text
+    assert _valid(doc, "/readyz", "503", down.json()), down.text
+    assert down.headers["retry-after"] == "1"
+    error = down.json()["error"]
+    assert error["type"] == "unavailable", error
+    assert "Redis (SIFT_REDIS_URL) could not be reached" in error["message"], error
+
+
+def _valid(doc: dict[str, Any], path: str, status: str, body: object) -> bool:
+    """Whether ``body`` is what the OpenAPI ``doc`` declares ``GET path`` answers with
+    ``status``."""
+    schema = doc["paths"][path]["get"]["responses"][status]["content"]["application/json"]
+    resolvable = {**schema["schema"], "components": doc["components"]}
+    return jsonschema.Draft202012Validator(resolvable).is_valid(body)
 
 
 @pytest.mark.timeout(180)
