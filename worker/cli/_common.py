@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import signal
 import tempfile
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +25,49 @@ EXIT_TERMINATED = 143  # 128 + SIGTERM: `sift ingest` stopped by it as by a Ctrl
 # In the data folder of a running `sift up`: the URL of the Redis it uses, so `sift status`
 # finds it without SIFT_REDIS_URL (removed when the stack stops)
 STACK_REDIS_FILE = "redis-url"
+
+
+class Signals:
+    """Whether a SIGTERM stopped the command: it is taken as a Ctrl-C is (a
+    ``KeyboardInterrupt`` in the main thread), told as "terminated", and exits 143."""
+
+    def __init__(self) -> None:
+        self.terminated = False
+
+    @property
+    def code(self) -> int:
+        return EXIT_TERMINATED if self.terminated else EXIT_INTERRUPTED
+
+    @property
+    def word(self) -> str:
+        return "terminated" if self.terminated else "interrupted"
+
+
+@contextmanager
+def sigterm_as_ctrl_c() -> Iterator[Signals]:
+    """SIGTERM (a ``kill``, a supervisor, a CI step's timeout) stops a command as a Ctrl-C
+    does (``sift ingest``: no request sent after it, the ones in flight waited for, what is
+    known indexed and the line to resume from said; a second one leaves at once). Its default
+    killed the command at once, saying nothing. A command run off the main thread (a test's
+    runner in a thread) cannot take signals, and keeps the default."""
+    signals = Signals()
+    if threading.current_thread() is not threading.main_thread():
+        yield signals
+        return
+
+    def on_term(signum: int, frame: object) -> None:
+        signals.terminated = True
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield signals
+    except typer.Exit as exc:  # a Ctrl-C's exit, by a SIGTERM: its own status
+        if exc.exit_code == EXIT_INTERRUPTED and signals.terminated:
+            raise typer.Exit(EXIT_TERMINATED) from None
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def setting_help(help: str, variable: str) -> str:

@@ -7,7 +7,6 @@ import bisect
 import itertools
 import json
 import os
-import signal
 import sys
 import threading
 import time
@@ -24,11 +23,11 @@ import typer
 from worker.cli._app import app
 from worker.cli._common import (
     EXIT_INTERRUPTED,
-    EXIT_TERMINATED,
     InputError,
     _err,
     _expected_errors,
     _out,
+    sigterm_as_ctrl_c,
 )
 from worker.cli._http import (
     FINAL_STATUSES,
@@ -310,49 +309,6 @@ def _summary(
     }
 
 
-class _Signals:
-    """Whether a SIGTERM stopped the command: it is taken as a Ctrl-C is (a
-    ``KeyboardInterrupt`` in the main thread), told as "terminated", and exits 143."""
-
-    def __init__(self) -> None:
-        self.terminated = False
-
-    @property
-    def code(self) -> int:
-        return EXIT_TERMINATED if self.terminated else EXIT_INTERRUPTED
-
-    @property
-    def word(self) -> str:
-        return "terminated" if self.terminated else "interrupted"
-
-
-@contextmanager
-def _sigterm_as_ctrl_c() -> Iterator[_Signals]:
-    """SIGTERM (a ``kill``, a supervisor, a CI step's timeout) stops ``sift ingest`` as a
-    Ctrl-C does: no request sent after it, the ones in flight waited for, what is known
-    indexed and the line to resume from said; a second one leaves at once. Its default
-    killed the command at once, saying nothing. A command run off the main thread (a test's
-    runner in a thread) cannot take signals, and keeps the default."""
-    signals = _Signals()
-    if threading.current_thread() is not threading.main_thread():
-        yield signals
-        return
-
-    def on_term(signum: int, frame: object) -> None:
-        signals.terminated = True
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, on_term)
-    try:
-        yield signals
-    except typer.Exit as exc:  # a Ctrl-C's exit, by a SIGTERM: its own status
-        if exc.exit_code == EXIT_INTERRUPTED and signals.terminated:
-            raise typer.Exit(EXIT_TERMINATED) from None
-        raise
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def _check_gateway(client: Gateway) -> None:
     """One read of the caller's ingest jobs before the file is read: a gateway not running, a
     wrong key or a Redis down is told at once, not once a big file has been read and checked
@@ -408,7 +364,7 @@ def ingest(
 ) -> None:
     """Load documents through the gateway, with a progress bar."""
     console = _err() if json_out else _out()  # stdout: the JSON alone
-    with _sigterm_as_ctrl_c() as signals, _expected_errors(), gateway() as client:
+    with sigterm_as_ctrl_c() as signals, _expected_errors(), gateway() as client:
         _check_gateway(client)
         with _nothing_sent_on_interrupt(file, "nothing was sent"):
             loaded = _load(
