@@ -14,8 +14,9 @@ metrics port and the metrics folder are given, so the test can read them.
 - both children killed on sight show on the supervisor's ``/metrics`` (``sift_worker_processes``,
   ``sift_worker_restarts_total``), which answers all the while;
 - a Ctrl-C while the processes import prints no traceback;
-- a temporary metrics folder goes with its worker (a prefork one's at a clean exit; a SIGKILLed
-  supervisor's at the next ``sift worker``'s start).
+- a temporary metrics folder goes with its worker (a prefork one's at a clean exit, and with a
+  SIGTERM while it waits for Redis, a supervisor's too; a SIGKILLed supervisor's at the next
+  ``sift worker``'s start).
 """
 
 from __future__ import annotations
@@ -507,3 +508,35 @@ def test_the_metrics_folder_of_a_killed_supervisor_goes_at_the_next_start(tmp_pa
             (made,) = (tmp_path / "tmp").glob("sift-metrics-*")
         assert not left.exists() and made != left
     assert list((tmp_path / "tmp").glob("sift-metrics-*")) == []
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("processes", "pool"), [(2, None), (1, "prefork")], ids=["supervisor", "prefork"]
+)
+def test_a_sigterm_while_it_waits_for_redis_removes_its_metrics_folder(
+    tmp_path: Path, processes: int, pool: str | None
+) -> None:
+    """SIGTERM to ``sift worker`` (the supervisor of two processes, or one prefork process)
+    while it waits for a Redis nobody listens on: nothing was started, one line says so, its
+    temporary metrics folder goes, and it exits 143 (128 + SIGTERM, as ``sift ingest`` does).
+    The signal's default killed it there, past every clean-up: the folder stayed until the
+    next ``sift worker`` started."""
+    env = _env_with_tmpdir(f"redis://127.0.0.1:{free_port()}", tmp_path)
+    service = worker_service(tmp_path / "w", env, "duo", processes=processes, pool=pool,
+                             concurrency=2 if pool else None)  # fmt: skip
+    assert service.log is not None
+    log = service.log
+    proc = service.start()
+    try:
+        wait_for(lambda: "waiting: cannot connect" in log.read_text(), "the wait for Redis")
+        (made,) = (tmp_path / "tmp").glob("sift-metrics-*")
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+    finally:
+        stop(proc, timeout=5)
+    said = log.read_text()
+    assert not made.exists(), said[-3000:]
+    assert code == 143, said[-3000:]
+    assert "terminated while waiting for Redis; nothing was started" in said, said[-3000:]
+    assert "Traceback" not in said, said[-3000:]

@@ -21,7 +21,7 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2  # typer's own, for a bad option value or a bad combination of options
 EXIT_ITEMS_FAILED = 3
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
-EXIT_TERMINATED = 143  # 128 + SIGTERM: `sift ingest` stopped by it as by a Ctrl-C
+EXIT_TERMINATED = 143  # 128 + SIGTERM: `sift ingest`, a wait for Redis, stopped as by a Ctrl-C
 # In the data folder of a running `sift up`: the URL of the Redis it uses, so `sift status`
 # finds it without SIFT_REDIS_URL (removed when the stack stops)
 STACK_REDIS_FILE = "redis-url"

@@ -29,6 +29,7 @@ from worker.cli._common import (
     a_folder,
     option_error,
     setting_help,
+    sigterm_as_ctrl_c,
 )
 from worker.cli._output import plain, print_result, sample_path
 from worker.constants import ALL_QUEUES
@@ -282,24 +283,27 @@ def _wait_for_redis(settings: Settings) -> None:
     and a gateway its ``/healthz`` (``/readyz`` 503 until the checks pass: it waits on a
     thread of its own), which an orchestrator's probes read: a pod waiting past its start-up
     probe was restarted into a crash loop. A Ctrl-C meanwhile stops a worker with one line,
-    exit 130: nothing has been started (it ended with no word). A Redis that answers at once
+    exit 130: nothing has been started (it ended with no word); a SIGTERM too, said
+    "terminated", exit 143: the signal's default killed it past every clean-up, and the
+    supervisor's metrics folder was left until the next start. A Redis that answers at once
     costs one ``PING``."""
     from worker.redis_client import unanswered
 
     tries = 0
     try:
-        while settings.redis_url and (why := unanswered(settings.redis_url)):
-            pause = START_WAIT_PAUSES[min(tries, len(START_WAIT_PAUSES) - 1)]
-            errors.print(
-                f"[yellow]waiting:[/yellow] cannot connect to the Redis of SIFT_REDIS_URL "
-                f"({plain(why)}); the start checks need it: trying again in {pause:g} s",
-                soft_wrap=True,
-            )
-            time.sleep(pause)
-            tries += 1
+        with sigterm_as_ctrl_c() as signals:
+            while settings.redis_url and (why := unanswered(settings.redis_url)):
+                pause = START_WAIT_PAUSES[min(tries, len(START_WAIT_PAUSES) - 1)]
+                errors.print(
+                    f"[yellow]waiting:[/yellow] cannot connect to the Redis of SIFT_REDIS_URL "
+                    f"({plain(why)}); the start checks need it: trying again in {pause:g} s",
+                    soft_wrap=True,
+                )
+                time.sleep(pause)
+                tries += 1
     except KeyboardInterrupt:
-        errors.print("interrupted while waiting for Redis; nothing was started")
-        raise typer.Exit(EXIT_INTERRUPTED) from None
+        errors.print(f"{signals.word} while waiting for Redis; nothing was started")
+        raise typer.Exit(signals.code) from None
 
 
 def _require_redis_database(settings: Settings) -> None:
