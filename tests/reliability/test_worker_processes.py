@@ -14,6 +14,7 @@ metrics port and the metrics folder are given, so the test can read them.
 - both children killed on sight show on the supervisor's ``/metrics`` (``sift_worker_processes``,
   ``sift_worker_restarts_total``), which answers all the while;
 - a Ctrl-C while the processes import prints no traceback;
+- each line of their one log names the process that wrote it;
 - a temporary metrics folder goes with its worker (a prefork one's at a clean exit, and with a
   SIGTERM while it waits for Redis, a supervisor's too; a SIGKILLed supervisor's at the next
   ``sift worker``'s start).
@@ -321,7 +322,9 @@ def test_a_stop_on_a_hung_redis_ends_every_worker_process(
                     os.kill(pid, signal.SIGKILL)
     output = workers.output()
     gave_up = f"not stopped {SOFT_SHUTDOWN_SECONDS + STOP_GRACE_SECONDS:g} s after the stop signal"
-    assert output.count(gave_up + " (Redis not answering?); exiting now") == 2, output[-3000:]
+    for child in ("duo-1", "duo-2"):  # each names itself: which one held what
+        line = f"sift worker {child}: {gave_up} (Redis not answering?); exiting now"
+        assert line in output, output[-3000:]
     if how == signal.SIGTERM:  # the supervisor says its processes were cut short, and fails
         assert proc.returncode == STOP_DEADLINE_STATUS, output[-3000:]
         for child in ("duo-1", "duo-2"):
@@ -540,3 +543,31 @@ def test_a_sigterm_while_it_waits_for_redis_removes_its_metrics_folder(
     assert code == 143, said[-3000:]
     assert "terminated while waiting for Redis; nothing was started" in said, said[-3000:]
     assert "Traceback" not in said, said[-3000:]
+
+
+# a log record's start, as Sift's format writes it: its time, its level, its process's name
+RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ (\S+) ", re.MULTILINE)
+# a line of the supervisor's own: its time, then who says it
+SUPERVISOR_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (sift worker[^:]*):", re.MULTILINE)
+
+
+@pytest.mark.timeout(300)
+def test_each_line_of_the_log_names_the_process_that_wrote_it(tmp_path: Path) -> None:
+    """``sift worker --processes 2`` writes one log: each process's records name it by its
+    node name (``duo-1``, ``duo-2``), and the supervisor's lines say ``supervisor``. Every
+    record said ``MainProcess`` (each process is the main one of its own Python), and the
+    supervisor's lines and a process's stop-deadline line both said ``sift worker``."""
+    redis_service_, redis_url = redis_service(tmp_path / "redis")
+    with running(redis_service_):
+        env = child_env({"SIFT_REDIS_URL": redis_url + "/0", "SIFT_WORKER_METRICS_PORT": "0",
+                         "SIFT_DATA_DIR": str(tmp_path / "data")}, inherit_sift=False)  # fmt: skip
+        log = tmp_path / "w" / "duo.log"
+        with worker_process(tmp_path / "w", env, "duo", processes=2) as proc:
+            wait_for(lambda: log.read_text().count(" ready.") >= 2, "both workers ready", 120)
+    said = log.read_text()
+    assert proc.returncode == 0, said[-3000:]
+    assert set(RECORD.findall(said)) == {"duo-1", "duo-2"}, said[-3000:]
+    for child in ("duo-1", "duo-2"):
+        assert re.search(rf" INFO {child} celery\.apps\.worker \[-\] {child}@\S+ ready\.", said)
+    assert set(SUPERVISOR_LINE.findall(said)) == {"sift worker supervisor"}, said[-3000:]
+    assert "sift worker supervisor: every worker process stopped" in said, said[-3000:]

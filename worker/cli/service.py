@@ -169,6 +169,7 @@ def worker(
 ) -> None:
     """Run Celery workers, for deployment: one process per core by default, each with its
     threads pool, under one process that restarts any that exits and serves their metrics."""
+    from worker.observability.logcontext import name_process
     from worker.queue.base import items_running, tasks_running
     from worker.queue.celery_app import create_celery_app, run_celery_worker, warming_up
 
@@ -208,12 +209,14 @@ def worker(
         return
     if supervised_by:  # its supervisor set up the metrics files and serves them
         follow_supervisor(supervised_by)
+        name_process(name)  # its log lines say which of the supervisor's processes wrote them
     else:
         _single_process_metrics(settings)
         _serve_single_process_metrics(settings)
         wait_and_check()
     # a stop ends even on a Redis that never answers, or under items that do not end
-    exit_by_deadline(settings, warming_up, items_running, tasks_running)
+    who = f"sift worker {name}" if supervised_by else "sift worker"
+    exit_by_deadline(settings, warming_up, items_running, tasks_running, who)
     run_celery_worker(create_celery_app(settings), name, queues.split(","), settings.log_level)
 
 

@@ -20,6 +20,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import Any
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s [%(job_id)s] %(message)s"
 
@@ -93,6 +94,23 @@ def install(handler: logging.Handler) -> None:
     handler.addFilter(WireDebugFilter())
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
     quiet_wire_loggers()
+
+
+def name_process(name: str) -> None:
+    """Have every log record of this process say ``name`` as its ``processName`` (the format's
+    ``%(processName)s``) where Python says ``MainProcess``, and ``name/…`` where a pool's child
+    has its own (``worker-1/ForkPoolWorker-2``). Each process ``sift worker --processes N``
+    runs is the main process of its own Python: every line of their shared log said
+    ``MainProcess``, and none said which process wrote it."""
+    make = logging.getLogRecordFactory()
+
+    def named(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = make(*args, **kwargs)
+        own = record.processName
+        record.processName = name if own in (None, "MainProcess") else f"{name}/{own}"
+        return record
+
+    logging.setLogRecordFactory(named)
 
 
 def configure_logging(level: str | int = "INFO", logger: logging.Logger | None = None) -> None:

@@ -96,12 +96,14 @@ def exit_by_deadline(
     warming_up: Callable[[], bool],
     running: Callable[[], int] = lambda: 0,
     tasks: Callable[[], Mapping[str, int]] = dict,
+    who: str = "sift worker",
 ) -> None:
     """In a Celery worker process: once a stop begins (Celery's ``worker_shutting_down``,
     sent from its signal handler), end the process :func:`stop_deadline` later if it is still
     there (``os._exit``, from a daemon timer: the main thread may be blocked on a socket),
-    with a line saying what held it (:func:`held_by`: the batch items still ``running()`` and
-    the Celery tasks still running, ``tasks()`` by name, or else, most likely, Redis).
+    with a line from ``who`` (a supervised process's name in it: ``sift worker worker-1``)
+    saying what held it (:func:`held_by`: the batch items still ``running()`` and the Celery
+    tasks still running, ``tasks()`` by name, or else, most likely, Redis).
 
     The timer is set for the deadline without a warm-up; when it fires, a warm-up still
     running (``warming_up()``) moves it to the one with. Asked then, not at the stop, a
@@ -116,7 +118,7 @@ def exit_by_deadline(
         if seconds < longest and warming_up():
             _daemon_timer(longest - (time.monotonic() - stopped_at), give_up, stopped_at, longest)
             return
-        print(f"sift worker: not stopped {seconds:g} s after the stop signal "
+        print(f"{who}: not stopped {seconds:g} s after the stop signal "
               f"({held_by(running(), tasks())}); exiting now", file=sys.stderr,
               flush=True)  # fmt: skip
         os._exit(STOP_DEADLINE_STATUS)
@@ -212,9 +214,13 @@ def follow_supervisor(supervisor_pid: int) -> None:
         raise SystemExit("sift worker: the supervising process is gone")
 
 
+#: What the supervisor's lines call it, as its processes' name theirs (``worker-1``)
+SUPERVISOR = "supervisor"
+
+
 def _say(message: str) -> None:
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    print(f"{stamp} sift worker: {message}", file=sys.stderr, flush=True)
+    print(f"{stamp} sift worker {SUPERVISOR}: {message}", file=sys.stderr, flush=True)
 
 
 def run_workers(
