@@ -18,10 +18,12 @@ from tests.e2e.conftest import ACME, ECONOMY_DEADLINE_SECONDS, INDEX, Stack, ing
 from tests.fake_anthropic import (
     errored,
     expired,
+    good,
     malformed,
     missing,
     positions,
     refusal,
+    status,
     succeeded,
 )
 from worker.constants import ECONOMY_PRICE_DISCOUNT
@@ -213,6 +215,32 @@ def test_errored_expired_and_malformed_requests_are_resubmitted_or_fail_by_polic
     # three provider batches for the first round, then the resubmissions of q0, q1, q2, q4
     resubmitted = [position_of(c) for b in stack.model.batches()[2:] for c in b["custom_ids"]]
     assert sorted(resubmitted) == [0, 1, 2, 4, 4]
+
+
+def test_a_resubmitted_request_s_trace_tells_what_it_waited_to_be_sent_again(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    """An item whose request errored is resubmitted, and the resubmission's create is
+    answered 429 (``retry-after: 1``): it goes again once the lane's pause is over. The retry's
+    trace entry tells that wait as ``backoff_wait_seconds``, beside its ``seconds`` (its
+    provider batch's), as the standard lane's attempts do: 0 for the first, the 429's second
+    for the retry, and the item's ``rerank_seconds`` (its first send to its result) are the
+    attempts' seconds and waits. Before, the economy lane's attempts had no such field, and
+    the second was in no figure of the trace."""
+    stack.model.script_batch({"i0": [errored("overloaded_error")]})
+    stack.model.script_batch_calls("create", [good(), status(429, retry_after=1)])
+    batch_id = _submit(stack, _items(queries, 1), "economy", include_trace=True)
+    assert _wait(stack, batch_id)["counts"]["succeeded"] == 1
+    trace = _results(stack, batch_id)["q0"]["result"]["trace"]
+    first, retry = attempts = trace["attempts"]
+    assert (first["outcome"], retry["outcome"]) == ("http_5xx", "ok"), attempts
+    assert first["backoff_wait_seconds"] == 0.0
+    # its result counted before the 429, sent again after its pause (the shared clock's
+    # readings err by half a round trip to Redis)
+    assert retry["backoff_wait_seconds"] >= 1.0 - 0.05, attempts
+    waits = sum(a["seconds"] + a["backoff_wait_seconds"] for a in attempts)
+    assert trace["rerank_seconds"] == pytest.approx(waits, abs=1e-6), trace
+    assert len(stack.model.batches()) == 2  # the refused create made nothing
 
 
 def test_once_the_economy_deadline_is_out_the_failure_policy_applies(

@@ -107,6 +107,9 @@ def test_a_create_refused_for_good_fails_only_the_items_it_would_have_sent(
         else:
             assert item["status"] == "failed", item
             assert "http_4xx" in item["error"]["message"]
+            # never sent: the failed create is its first attempt, nothing waited before it
+            [attempt] = item["error"]["trace"]["attempts"]
+            assert attempt["backoff_wait_seconds"] == 0.0, attempt
     assert done["counts"]["succeeded"] == 4 and done["counts"]["failed"] == 2, done
 
 

@@ -11,6 +11,7 @@ from functools import partial
 from itertools import islice
 from typing import Any
 
+from worker import clock
 from worker.constants import ECONOMY_RUNS_KEY
 from worker.contract import ErrorInfo, JobStatus
 from worker.core.catalog import StoredDocument
@@ -22,6 +23,7 @@ from worker.queue.base import SiftTask, count_completed, error_info
 from worker.queue.economy.records import (
     PAGE,
     as_sent,
+    backed_off,
     economy_pipeline,
     rerank_run,
     running_items,
@@ -221,7 +223,13 @@ def fail_items(
         run = rerank_run(record)
         model = record.get("model")  # the model its request went to, if it was sent
         cost = pipeline.add_attempt(
-            run, failure.outcome, None, 0.0, model=model, provider_error=True
+            run,
+            failure.outcome,
+            None,
+            0.0,
+            model=model,
+            provider_error=True,
+            backoff_wait_seconds=backed_off(record, clock.now()),
         )
         run.failure = failure
         return run, [partial(pipeline.count_attempt, failure.outcome, None, cost, model)]

@@ -36,6 +36,7 @@ def new_run(position: int) -> dict[str, Any]:
         "resubmit": False,
         "first_submitted_at": None,
         "submitted_at": None,
+        "mapped_at": None,  # when the result of its last round was counted
         "attempts": [],
         "usage": [0, 0, 0, 0],
         "cost_usd": 0.0,
@@ -69,6 +70,30 @@ def record_sent(run: dict[str, Any], provider: str, submission: str, at: float) 
         submitted_at=at,
         first_submitted_at=run["first_submitted_at"] or at,
     )
+
+
+def backed_off(run: dict[str, Any], now: float) -> float:
+    """What an item's attempt waited since the attempt before (the trace's
+    ``backoff_wait_seconds``, as the standard lane's): from that one's result counted
+    (``mapped_at``) to this one's request sent again (``submitted_at``), or to ``now`` if it
+    was not sent again (its resubmission failed): its resubmission's create, and a create
+    tried again at the poll's cadence or after a 429's pause. 0 for the first, whose wait
+    before its provider batch is no part of the rerank. An attempt's ``seconds`` and the
+    waits before it add up to the item's ``rerank_seconds``, its first send to its last
+    result.
+
+    >>> backed_off({"mapped_at": None, "submitted_at": 5.0}, 9.0)
+    0.0
+    >>> backed_off({"mapped_at": 10.0, "submitted_at": 12.5}, 20.0)
+    2.5
+    >>> backed_off({"mapped_at": 10.0, "submitted_at": 4.0}, 20.0)  # not sent again
+    10.0
+    """
+    mapped = run.get("mapped_at")
+    if mapped is None:
+        return 0.0
+    sent = run.get("submitted_at")
+    return max(0.0, (sent if sent is not None and sent > mapped else now) - float(mapped))
 
 
 def as_sent(prepared: Prepared, run: dict[str, Any]) -> Prepared:

@@ -32,6 +32,7 @@ from worker.queue.economy.records import (
     DOUBT,
     PAGE,
     as_sent,
+    backed_off,
     economy_pipeline,
     items_waiting,
     provider_record,
@@ -329,7 +330,11 @@ def _add_attempt(
     whenever the cancel came, the item ends ``canceled``, not in the failure policy."""
     record, run, failure = one.record, one.run, one.failure
     waited = now - float(record["submitted_at"] or now)
-    detail = {"provider_batch": provider_id, "provider_result": one.line.kind}
+    detail = {
+        "provider_batch": provider_id,
+        "provider_result": one.line.kind,
+        "backoff_wait_seconds": backed_off(record, now),
+    }
     usage: TokenUsage | None
     if one.line.reply is not None:
         outcome, usage = AttemptOutcome.OK, one.line.reply.usage
@@ -349,6 +354,6 @@ def _add_attempt(
         and now < deadline
     )
     store_run(record, run)
-    record.update(handled=provider_id, resubmit=again)
+    record.update(handled=provider_id, resubmit=again, mapped_at=now)
     if failure is not None:
         record["last_error"] = failure.message
