@@ -187,12 +187,13 @@ class BatchOut(BaseModel):
     )
     stage_seconds: dict[str, float] | None = Field(
         default_factory=dict,
-        description="Seconds by stage, in the order they run (queue_wait, embed, bm25, knn, "
-        "fuse, rerank; or rrf in place of bm25, knn and fuse where Elasticsearch fuses "
-        "natively), summed over its finished items, as usage is: its succeeded items and "
-        "those that failed their rerank (rerank_failed, up to the failure); an item that "
-        "failed before its rerank, or was canceled, kept none. Where its time went. An "
-        "economy item's rerank is its provider batch's wait. null when unknown, as usage.",
+        description="Seconds by stage, in the order they run (queue_wait, slot_wait: the wait "
+        "for a CPU slot, embed, bm25, knn, fuse, rerank; or rrf in place of bm25, knn and fuse "
+        "where Elasticsearch fuses natively), summed over its finished items, as usage is: "
+        "its succeeded items and those that failed their rerank (rerank_failed, up to the "
+        "failure); an item that failed before its rerank, or was canceled, kept none. Where "
+        "its time went. An economy item's rerank is its provider batch's wait. null when "
+        "unknown, as usage.",
     )
     created_at: str
     finished_at: str | None = None

@@ -86,6 +86,7 @@ def test_a_reranked_batch_prints_what_its_model_calls_used_and_cost(
     assert f"${cost:.6f}" in result.output, result.output
     assert "rerank: applied 10, fallback 0, skipped 0" in result.output, result.output
     assert "seconds by stage (items succeeded or rerank_failed): queue wait " in result.output
+    assert ", slot wait " in result.output  # its items' waits for a CPU slot, a stage of its own
     listed = sift(stack, "batches", "--limit", "1")  # and its row in the list, with its cost
     assert listed.exit_code == 0, listed.output
     assert f"${cost:.6f}" in listed.output and "cost" in listed.output, listed.output

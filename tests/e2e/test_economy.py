@@ -118,6 +118,7 @@ def test_economy_gives_the_standard_lanes_hits_at_half_the_cost(
     assert done["stage_seconds"] == pytest.approx(
         {
             "queue_wait": sum(t["queue_wait_seconds"] for t in traces),
+            "slot_wait": sum(t["slot_wait_seconds"] for t in traces),
             **{
                 stage: sum(t["retrieval_seconds"][stage] for t in traces)
                 for stage in traces[0]["retrieval_seconds"]

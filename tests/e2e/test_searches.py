@@ -202,9 +202,11 @@ def test_a_trace_tells_each_stages_time_and_each_attempts_class(
         datetime.fromisoformat(batch["finished_at"]) - datetime.fromisoformat(batch["created_at"])
     ).total_seconds()
     assert all(0 <= t["queue_wait_seconds"] <= span for t in traces)
-    # the batch's record sums its items' stage times: where the batch's time went
+    # the batch's record sums its items' stage times: where the batch's time went, their
+    # waits for a CPU slot too
     summed = {
         "queue_wait": sum(t["queue_wait_seconds"] for t in traces),
+        "slot_wait": sum(t["slot_wait_seconds"] for t in traces),
         **{
             stage: sum(t["retrieval_seconds"][stage] for t in traces)
             for stage in ("embed", "bm25", "knn", "fuse")
@@ -217,6 +219,7 @@ def test_a_trace_tells_each_stages_time_and_each_attempts_class(
 def _stages(trace: dict[str, Any]) -> dict[str, float]:
     return {
         "queue_wait": trace["queue_wait_seconds"],
+        "slot_wait": trace["slot_wait_seconds"],
         **trace["retrieval_seconds"],
         "rerank": trace["rerank_seconds"],
     }
@@ -247,7 +250,8 @@ def test_a_batch_s_stage_seconds_count_its_failed_items_as_its_usage_does(
     body = {"index": INDEX, "rerank": True, "queries": queries[:1]}  # no trace asked for
     batch, _ = finished_batch(stack.live, body)
     assert batch["counts"]["failed"] == 1 and batch["usage"]["requests"] == 1, batch
-    assert list(batch["stage_seconds"]) == ["queue_wait", "embed", "bm25", "knn", "fuse", "rerank"]
+    stages = ["queue_wait", "slot_wait", "embed", "bm25", "knn", "fuse", "rerank"]
+    assert list(batch["stage_seconds"]) == stages
 
 
 def test_a_trace_says_when_the_bm25_channel_searched_only_the_querys_first_words(

@@ -469,9 +469,12 @@ def test_a_batchs_totals_are_its_final_items_summed_under_racing_finishes_and_ca
 
 def test_a_batchs_stage_seconds_follow_the_pipeline_with_native_fusion(store: JobStore) -> None:
     """An item that Elasticsearch fused natively (its ``rrf`` stage, the one request in place
-    of bm25, knn and fuse) shows that stage before the rerank, as it ran: it sorted last."""
+    of bm25, knn and fuse) shows that stage before the rerank, as it ran: it sorted last. Its
+    wait for a CPU slot (``slot_wait``) comes between its queue's and its embedding, as it ran:
+    it sorted last too."""
     batch = store.create_batch("acme", "docs", [("q0", spec()), ("q1", spec())])
-    ran = [("queue_wait", 0.5), ("embed", 0.25), ("rrf", 0.125), ("rerank", 1.0)]
+    ran = [("queue_wait", 0.5), ("slot_wait", 0.0625), ("embed", 0.25), ("rrf", 0.125)]
+    ran.append(("rerank", 1.0))
     for qid in ("q0", "q1"):
         store.begin_item(batch.id, qid)
         done = SearchResult(hits=[], rerank=RerankInfo(applied=True), usage=Usage())

@@ -12,13 +12,17 @@ from worker.core.types import Candidate, RerankPrompt
 
 
 def stage_seconds(trace: dict[str, Any]) -> dict[str, float]:
-    """Each stage's seconds in a trace: the queue wait (when the worker put it in), retrieval's
-    stages and the rerank.
+    """Each stage's seconds in a trace: the queue wait (when the worker put it in), the wait
+    for a CPU slot, retrieval's stages and the rerank.
 
-    >>> stage_seconds({"retrieval_seconds": {"embed": 0.5, "bm25": 0.25}, "rerank_seconds": 2})
-    {'embed': 0.5, 'bm25': 0.25, 'rerank': 2.0}
+    >>> stage_seconds({"slot_wait_seconds": 0.125, "retrieval_seconds": {"embed": 0.5},
+    ...                "rerank_seconds": 2})
+    {'slot_wait': 0.125, 'embed': 0.5, 'rerank': 2.0}
     """
-    found = {"queue_wait": trace.get("queue_wait_seconds")}
+    found = {
+        "queue_wait": trace.get("queue_wait_seconds"),
+        "slot_wait": trace.get("slot_wait_seconds"),
+    }
     found |= trace.get("retrieval_seconds") or {}
     found["rerank"] = trace.get("rerank_seconds")
     return {stage: float(s) for stage, s in found.items() if isinstance(s, int | float)}

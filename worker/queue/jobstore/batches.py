@@ -110,9 +110,10 @@ RERANK_OUTCOMES = ("applied", "fallback", "skipped")
 # (an older release's batch has none: items it finished were never added, so its totals
 # are unknown, not the sum of what the items finished since added)
 TOTALS_MARKER = ("totals", "1")
-# a search's stages in the order they run; rrf: both channels fused by the backend itself
-# (Elasticsearch's retriever, SIFT_ELASTICSEARCH_NATIVE_RRF), in place of bm25, knn and fuse
-STAGES = ("queue_wait", "embed", "bm25", "knn", "fuse", "rrf", "rerank")
+# a search's stages in the order they run; slot_wait: its wait for a CPU slot (the trace's
+# slot_wait_seconds); rrf: both channels fused by the backend itself (Elasticsearch's
+# retriever, SIFT_ELASTICSEARCH_NATIVE_RRF), in place of bm25, knn and fuse
+STAGES = ("queue_wait", "slot_wait", "embed", "bm25", "knn", "fuse", "rrf", "rerank")
 
 
 def _batch_usage(raw: dict[str, str]) -> Usage:
