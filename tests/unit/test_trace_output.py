@@ -38,9 +38,10 @@ def test_the_compact_trace_says_what_was_kept_dropped_tried_and_used() -> None:
     assert "retrieval: mode hybrid, bm25 " in text and "30 candidate(s)" in text
     [timings] = [line for line in lines if line.startswith("timings: ")]
     assert "embed " in timings and "bm25 " in timings and "knn " in timings
-    # the queue wait the worker adds to a job's trace comes first
-    [timings] = [x for x in trace_lines({**trace, "queue_wait_seconds": 1.5}) if "timings" in x]
-    assert timings.startswith("timings: queue wait 1.50 s, embed ")
+    # the queue wait the worker adds to a job's trace comes first, then the wait for a CPU slot
+    waited = {**trace, "queue_wait_seconds": 1.5, "slot_wait_seconds": 0.25}
+    [timings] = [x for x in trace_lines(waited) if "timings" in x]
+    assert timings.startswith("timings: queue wait 1.50 s, slot wait 250.0 ms, embed ")
     # compact: no candidate's text, and a handful of lines for 30 candidates
     assert all(c["text"] not in text for c in trace["candidates"])
     assert len(lines) <= 10

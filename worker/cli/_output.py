@@ -314,8 +314,11 @@ def trace_lines(trace: dict[str, Any]) -> list[str]:
     if trace.get("bm25_query_truncated"):  # the rest of a long query was left out
         lines[0] += f"; bm25 searched the query's first {trace.get('bm25_words')} words"
     timings = trace.get("retrieval_seconds") or {}
-    queued = trace.get("queue_wait_seconds")
-    stages = ([f"queue wait {_seconds(queued)}"] if queued is not None else []) + [
+    waits = {
+        "queue wait": trace.get("queue_wait_seconds"),
+        "slot wait": trace.get("slot_wait_seconds"),
+    }
+    stages = [f"{k} {_seconds(v)}" for k, v in waits.items() if v is not None] + [
         f"{k} {_seconds(v)}" for k, v in timings.items()
     ]
     if stages:
