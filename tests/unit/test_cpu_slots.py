@@ -10,6 +10,10 @@ from collections.abc import Callable
 
 import pytest
 
+from tests.fakes import FakeEmbedder, InMemoryBackend
+from worker.contract import DocumentIn, SearchSpec
+from worker.core.pipeline import SearchPipeline
+from worker.runtime.inprocess import Runtime
 from worker.runtime.slots import CpuSlots, behind_searches
 
 
@@ -141,3 +145,48 @@ def test_a_wait_interrupted_gives_back_the_slot_handed_to_it() -> None:
     let_go.set()
     thread.join()
     assert slots.free == 1
+
+
+def test_a_retrieval_back_off_interrupted_taking_its_slot_again_lets_go_of_no_other_s() -> None:
+    """A retrieval retry's back-off lets the search's slot go and takes it again; a wait to
+    take it again ended by an exception (a signal's handler, as above) leaves the line, and
+    the search's own ``with`` then let go of the slot another thread held: counted free
+    under it, and that thread's release raised ValueError."""
+    slots = CpuSlots(1)
+    other_holds, let_go = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def other() -> None:  # waits for the search's slot, has it during the back-off
+        try:
+            with slots:
+                other_holds.set()
+                _until(lambda: slots.waiting() == (1, 0))  # the search waits to take it again
+                signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGUSR1)
+                let_go.wait()
+        except BaseException as exc:
+            errors.append(exc)
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise _Interrupted
+
+    def back_off(seconds: float) -> None:  # the other thread takes the slot let go
+        thread.start()
+        other_holds.wait()
+
+    backend = InMemoryBackend()
+    pipeline = SearchPipeline(backend, FakeEmbedder(), sleep=back_off, cpu_slots=slots)
+    Runtime(pipeline).ingest("docs", "acme", [DocumentIn(id="d1", text="volcano ash")])
+    backend.fail_next = 1  # retryable: the retrieval backs off
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    thread = threading.Thread(target=other)
+    try:
+        with pytest.raises(_Interrupted):
+            pipeline.search(SearchSpec(index="docs", query="volcano ash"), "acme")
+        assert slots.free == 0  # the other thread holds it (seen: 1)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        let_go.set()
+        if thread.is_alive():
+            thread.join()
+    assert errors == []  # (seen: ValueError, released more times than it was held)
+    assert slots.free == 1 and slots.waiting() == (0, 0)

@@ -5,7 +5,7 @@ and the trace's retrieval part."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -38,8 +38,8 @@ from worker.errors import DeadlineExceeded, SiftError
 class Retrieval:
     """A search's retrieval over the pipeline's ports as they are when it is made
     (:meth:`SearchPipeline._retrieval`: one made for each search, so a port swapped on the
-    pipeline in place is the one asked). ``cpu_slots`` is the slot the first half holds:
-    a retry's back-off lets it go."""
+    pipeline in place is the one asked). ``cpu_slots`` are the slots the first half holds
+    one of, on ``held`` (its ``with``): a retry's back-off lets it go."""
 
     backend: SearchBackend
     embedder: Embedder
@@ -49,6 +49,7 @@ class Retrieval:
     clock: Callable[[], float]
     sleep: Callable[[float], None]
     cpu_slots: AbstractContextManager[Any]
+    held: ExitStack
     answers: AnswerKeeper | None = None  # told when a retry holds the slot again
 
     def run(
@@ -201,13 +202,16 @@ class Retrieval:
         of a batch's items may wait; charged, a retry (an embedded backend's ``SQLITE_BUSY``)
         failed ``deadline_exceeded`` behind them before any model was asked. So does the run's
         claim (``answers``), as it does the first wait's, or a copy of the search's message
-        took the claim over past its lease, and made a second model call."""
-        self.cpu_slots.__exit__(None, None, None)
+        took the claim over past its lease, and made a second model call. Held again on the
+        first half's ``held``: a wait to hold it ended by an exception (a Ctrl-C in ``sift
+        eval``) holds none, and the first half's end lets go of none, where it let go of a slot
+        another thread held (counted free under it; that thread's release then raised)."""
+        self.held.close()
         try:
             self.sleep(seconds)
         finally:
             asked = self.clock()
-            self.cpu_slots.__enter__()
+            self.held.enter_context(self.cpu_slots)
             waited = self.clock() - asked
             deadline.leave_out(waited)
         if self.answers is not None:  # its run claim leaves the wait out too

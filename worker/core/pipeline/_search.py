@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from functools import partial
 from typing import Any
 
@@ -109,9 +109,10 @@ class SearchPipeline:
             self._call_time,
         )
 
-    def _retrieval(self, answers: AnswerKeeper | None = None) -> Retrieval:
+    def _retrieval(self, held: ExitStack, answers: AnswerKeeper | None = None) -> Retrieval:
         """A search's retrieval, over the ports as they are now (as :meth:`_model_calls`);
-        ``answers``: the run's keeper, told when a retry holds its CPU slot again."""
+        ``held``: the first half's CPU slot, which a retry's back-off lets go; ``answers``:
+        the run's keeper, told when a retry holds its CPU slot again."""
         return Retrieval(
             self.backend,
             self.embedder,
@@ -121,6 +122,7 @@ class SearchPipeline:
             self._clock,
             self._sleep,
             self._cpu_slots,
+            held,
             answers,
         )
 
@@ -163,12 +165,13 @@ class SearchPipeline:
         deadline: Deadline | None = None
         try:
             asked = self._clock()
-            with self._cpu_slots:  # the deadline starts once the slot is held (see prepare)
+            with ExitStack() as held:  # the first half's CPU slot (a retry's back-off lets it go)
+                held.enter_context(self._cpu_slots)  # the deadline starts once held (see prepare)
                 waited = self._clock() - asked
                 if answers is not None:  # and so does the run's claim (its time, its lease)
                     answers.slot_held(waited)
                 deadline = Deadline(self.config.deadline_seconds, self._clock, spent)
-                prepared = self._prepare(spec, tenant, deadline, figures, answers, waited)
+                prepared = self._prepare(spec, tenant, deadline, figures, held, answers, waited)
             if prepared.result is not None:
                 result = prepared.result
                 if prepared.skipped:  # counted with the search's other figures: once
@@ -242,11 +245,12 @@ class SearchPipeline:
         """
         figures: list[Callable[[], None]] = []
         asked = self._clock()
-        with self._cpu_slots:
+        with ExitStack() as held:
+            held.enter_context(self._cpu_slots)
             waited = self._clock() - asked
             deadline = Deadline(self.config.deadline_seconds, self._clock)
             try:
-                prepared = self._prepare(spec, tenant, deadline, figures, slot_wait=waited)
+                prepared = self._prepare(spec, tenant, deadline, figures, held, slot_wait=waited)
             except BaseException:
                 _record(figures)
                 self.recorder.search_done(spec.mode, "error", deadline.elapsed())
@@ -372,17 +376,20 @@ class SearchPipeline:
         tenant: str,
         deadline: Deadline,
         figures: list[Callable[[], None]],
+        held: ExitStack,
         answers: AnswerKeeper | None = None,
         slot_wait: float = 0.0,
     ) -> Prepared:
         """Retrieval and fusion, then the prompt; the figures they make (each stage's
         duration and hits) are appended to ``figures``, for the caller to record.
-        ``answers``: told when a retrieval retry holds its CPU slot again. ``slot_wait``: the
-        seconds the run waited for its CPU slot; the trace tells them with the waits to hold
-        it again after a retry's back-off (none of them the deadline's)."""
+        ``held``: the ``with`` holding the CPU slot, which a retrieval retry's back-off lets
+        go and takes again (:meth:`Retrieval._sleep_off_slot`). ``answers``: told when a
+        retrieval retry holds its CPU slot again. ``slot_wait``: the seconds the run waited
+        for its CPU slot; the trace tells them with the waits to hold it again after a retry's
+        back-off (none of them the deadline's)."""
         query = normalise_query(spec.query)
         reranking = self._reranking(spec)
-        retrieval = self._retrieval(answers)
+        retrieval = self._retrieval(held, answers)
         candidates, trace = retrieval.run(spec, tenant, query, reranking, deadline, figures)
         trace["slot_wait_seconds"] = max(0.0, slot_wait) + deadline.left_out
 
