@@ -1,5 +1,6 @@
 """A process's CPU slots (:mod:`worker.runtime.slots`): a search waiting for one goes ahead
-of the batch items waiting, which keep their own order."""
+of the batch items waiting, which keep their own order, but for one item after every
+:data:`~worker.runtime.slots.SEARCHES_AHEAD` searches in a row."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from tests.fakes import FakeEmbedder, InMemoryBackend
 from worker.contract import DocumentIn, SearchSpec
 from worker.core.pipeline import SearchPipeline
 from worker.runtime.inprocess import Runtime
-from worker.runtime.slots import CpuSlots, behind_searches
+from worker.runtime.slots import SEARCHES_AHEAD, CpuSlots, behind_searches
 
 
 def _until(check: Callable[[], bool]) -> None:
@@ -70,6 +71,56 @@ def test_a_search_gets_the_next_slot_ahead_of_the_batch_items_waiting_before_it(
     # the searches first, in their order; the items in theirs
     assert waiters.order == ["search-0", "search-1"] + [f"item-{i}" for i in range(6)]
     assert slots.free == 1 and slots.waiting() == (0, 0)
+
+
+def test_after_searches_ahead_of_them_in_a_row_a_batch_item_has_the_next_slot() -> None:
+    slots = CpuSlots(1)
+    waiters = _Waiters(slots)
+    slots.acquire(urgent=True)
+    for i in range(2):
+        waiters.start(f"item-{i}", batch=True)
+    searches = [f"search-{i}" for i in range(2 * SEARCHES_AHEAD + 2)]
+    for name in searches:
+        waiters.start(name, batch=False)
+    slots.release()
+    waiters.join()
+    first, second = SEARCHES_AHEAD, 2 * SEARCHES_AHEAD  # an item after each SEARCHES_AHEAD
+    in_turn = [*searches[:first], "item-0", *searches[first:second], "item-1", *searches[second:]]
+    assert waiters.order == in_turn  # (seen: every search first)
+    assert slots.free == 1 and slots.waiting() == (0, 0)
+
+
+def test_a_batch_item_has_a_slot_while_searches_keep_waiting_for_them() -> None:
+    # With a search always waiting, a freed slot always went to one: an item waited for as
+    # long as they kept coming (3 searches looping on 5 ms of work held one for 10 s and on).
+    slots = CpuSlots(1)
+    holders: list[str] = []
+    stop = threading.Event()  # the item has had a slot, or the searches gave up on it
+    item_thread = threading.Thread(target=lambda: item())
+
+    def item() -> None:
+        with behind_searches(), slots:
+            holders.append("item")
+            stop.set()
+
+    def search() -> None:  # holds the slot until another search waits, then asks again
+        while not stop.is_set():
+            with slots:
+                holders.append("search")
+                if len(holders) == 3:  # the item joins its line while this one holds
+                    item_thread.start()
+                    _until(lambda: slots.waiting()[1] == 1)
+                if len(holders) == 100:
+                    stop.set()
+                _until(lambda: slots.waiting()[0] == 1 or stop.is_set())
+
+    threads = [threading.Thread(target=search) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in [*threads, item_thread]:
+        thread.join()
+    # the search that saw it join, SEARCHES_AHEAD more, the item (seen: 101, the searches gone)
+    assert holders.index("item") == 3 + SEARCHES_AHEAD, holders
 
 
 def test_a_freed_slot_goes_to_a_waiter_not_to_a_thread_arriving_after_it() -> None:

@@ -18,7 +18,10 @@ once (300 threads at the defaults) and queue for the slots; a single search queu
 them, in one line, waited for every one of them (two seconds, seven at worst, behind a
 20,000-item batch, for 5 ms of its own work). So a thread running batch items marks its work
 (:func:`behind_searches`), and a freed slot goes to the longest-waiting search first, then to
-the longest-waiting batch item: first come, first served within each line.
+the longest-waiting batch item: first come, first served within each line. Not for ever, though:
+once :data:`SEARCHES_AHEAD` searches in a row have had a freed slot while batch items waited,
+the next goes to the longest-waiting item, so searches that keep coming cannot starve a batch
+(with strict order, 3 searches looping on 2 slots left an item waiting 10 s and on).
 
     with behind_searches():  # the item pool's runner, around the items it runs
         ...
@@ -40,6 +43,8 @@ from worker.processes.machine import cpu_count
 Slots = AbstractContextManager[Any]
 
 
+# Searches in a row a freed slot goes to while batch items wait; the next goes to an item.
+SEARCHES_AHEAD = 4
 # Told each wait for a slot: its line ("search" or "batch") and its seconds (0: one was free).
 Waited = Callable[[str, float], None]
 # Whether this thread's slot waits go behind every search's: set by a batch item's runner.
@@ -68,7 +73,8 @@ def behind_searches() -> Iterator[None]:
 class CpuSlots:
     """``size`` slots, held with ``with slots:``; a freed slot passes straight to the first
     waiter of the searches' line, else of the batch items' (:func:`behind_searches`), so no
-    thread arriving meanwhile takes it ahead of them.
+    thread arriving meanwhile takes it ahead of them; after :data:`SEARCHES_AHEAD` searches
+    in a row served while items wait, to the first item's.
 
     >>> slots = CpuSlots(1)
     >>> with slots:
@@ -83,6 +89,7 @@ class CpuSlots:
         self._lock = threading.Lock()
         self._searches: deque[threading.Lock] = deque()
         self._batch: deque[threading.Lock] = deque()
+        self._searches_in_a_row = 0  # served while batch items waited
 
     def __enter__(self) -> None:
         self.acquire(urgent=not _BEHIND_SEARCHES.get())
@@ -114,10 +121,13 @@ class CpuSlots:
             self._waited("search" if urgent else "batch", time.monotonic() - asked)
 
     def release(self) -> None:
-        with self._lock:
-            line = self._searches or self._batch
-            if line:
-                line.popleft().release()  # the slot goes to it, never back to free
+        with self._lock:  # the slot goes to a waiter, if any, never back to free
+            if self._batch and (not self._searches or self._searches_in_a_row >= SEARCHES_AHEAD):
+                self._searches_in_a_row = 0
+                self._batch.popleft().release()
+            elif self._searches:
+                self._searches_in_a_row = self._searches_in_a_row + 1 if self._batch else 0
+                self._searches.popleft().release()
             elif self.free < self.size:
                 self.free += 1
             else:
