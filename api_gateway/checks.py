@@ -13,10 +13,10 @@ from fastapi.dependencies.models import Dependant
 from fastapi.routing import APIRoute
 
 from api_gateway.deps import Tenant
-from api_gateway.errors import UNAVAILABLE_RETRY_AFTER, ApiError
+from api_gateway.errors import UNAVAILABLE_RETRY_AFTER, UNAVAILABLE_RETRY_AFTER_SECONDS, ApiError
 from api_gateway.paths import decode_segments
 from api_gateway.routing import BODY_PROBLEM
-from worker.constants import ERROR_UNAVAILABLE
+from worker.constants import ERROR_STARTING
 from worker.errors import InvalidRequest
 
 IDEMPOTENCY_KEY = "Idempotency-Key"
@@ -31,12 +31,15 @@ def _query_names(dependant: Dependant) -> frozenset[str]:
 
 
 def not_starting(request: Request, _tenant: Tenant) -> None:
-    """503 ``unavailable`` while ``sift gateway`` still waits for its Redis and its start
-    checks (``/readyz`` says the same): a request let through in the moment between Redis
-    answering and the checks refusing it would have been stored on a Redis the gateway then
-    refused to serve."""
+    """503 ``starting`` while ``sift gateway`` still waits for its Redis and its start checks
+    (``/readyz`` says the same): a request let through in the moment between Redis answering
+    and the checks refusing it would have been stored on a Redis the gateway then refused to
+    serve. Nothing is stored, and the type says so, as ``job_store_full``'s does: any request
+    may be sent again, a delete job's too. It was ``unavailable``, whose write may have been
+    made, so ``sift index delete`` stopped saying the delete may have run."""
     if (starting := request.app.state.starting) is not None:
-        raise ApiError(503, ERROR_UNAVAILABLE, starting, headers=UNAVAILABLE_RETRY_AFTER)
+        message = f"{starting}; nothing was stored; retry after {UNAVAILABLE_RETRY_AFTER_SECONDS} s"
+        raise ApiError(503, ERROR_STARTING, message, headers=UNAVAILABLE_RETRY_AFTER)
 
 
 async def path_is_utf8(request: Request, _tenant: Tenant) -> None:

@@ -94,7 +94,7 @@ ResultsPageSize = Annotated[
     ),
     DIGITS,
 ]
-#: What a 503's type tells a client about its request (docs/queue.md, "The two 503s")
+#: What a 503's type tells a client about its request (docs/queue.md, "The 503s")
 UNAVAILABLE_DOC = (
     "Retry after `Retry-After` seconds; the type says whether the request may have been "
     "applied. `unavailable`: the job store (Redis) is down, restarting or did not answer in "
@@ -103,7 +103,9 @@ UNAVAILABLE_DOC = (
     "to repeat (a read, a merge patch, one with an `Idempotency-Key`). `job_store_full`: "
     "Redis is at its `maxmemory` or cannot persist to its disk, or new jobs are refused "
     "past 90 % of its `maxmemory`; nothing was "
-    "stored, so the request may be sent again as it is, a delete job's too."
+    "stored, so the request may be sent again as it is, a delete job's too. `starting`: "
+    "`sift gateway` still waits for its Redis and its start checks; nothing was stored, so "
+    "the request may be sent again as it is, a delete job's too."
 )
 ERRORS: dict[int | str, dict[str, Any]] = {
     **{code: {"model": ErrorBody} for code in (400, 401, 403, 404, 409, 413, 415, 422)},

@@ -22,7 +22,7 @@ from api_gateway.errors import (
 from api_gateway.metrics import GatewayMetrics
 from api_gateway.routing import GetAnswersHead
 from api_gateway.schemas import Health
-from worker.constants import ALL_QUEUES, ERROR_UNAVAILABLE
+from worker.constants import ALL_QUEUES, ERROR_STARTING
 from worker.observability.metrics import (
     JOBS_IN_FLIGHT,
     job_store_unread,
@@ -47,9 +47,9 @@ REDIS_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, OSError)
 
 #: What the OpenAPI document says of ``/readyz``'s 503
 READYZ_503 = (
-    "Not ready, retry after `Retry-After` seconds: `unavailable`, naming why: `sift gateway` "
-    "still waits for its Redis and its start checks, or Redis (the job store) is down, "
-    "restarting or did not answer in time."
+    "Not ready, retry after `Retry-After` seconds, the message naming why: `starting`, "
+    "`sift gateway` still waits for its Redis and its start checks; `unavailable`, Redis "
+    "(the job store) is down, restarting or did not answer in time."
 )
 
 
@@ -67,7 +67,7 @@ async def healthz() -> Health:
 )
 async def readyz(request: Request) -> Response:
     if (starting := request.app.state.starting) is not None:  # sift gateway's start checks
-        return error_response(503, ERROR_UNAVAILABLE, starting, headers=UNAVAILABLE_RETRY_AFTER)
+        return error_response(503, ERROR_STARTING, starting, headers=UNAVAILABLE_RETRY_AFTER)
     store: JobStore = request.app.state.store
     try:
         await run_in_threadpool(store.ping)

@@ -300,7 +300,7 @@ LANE_STANDARD = "standard"
 LANE_ECONOMY = "economy"
 LANES = (LANE_STANDARD, LANE_ECONOMY)  # a batch's lanes, and the metrics' lane label
 
-# --- the gateway's 503 error types a client acts on (docs/queue.md, "The two 503s"; the last,
+# --- the gateway's 503 error types a client acts on (docs/queue.md, "The 503s"; the last,
 # docs/security.md, "Removing a tenant") ---
 # Redis down, restarting or not answering in time: a write may have been made before the
 # failure (a timeout can come after it), so only a request safe to repeat is sent again
@@ -308,6 +308,9 @@ ERROR_UNAVAILABLE = "unavailable"
 # Redis at (or, for new jobs, near) its maxmemory refused the request: nothing was stored,
 # so any request so refused may be sent again, a delete job's too
 ERROR_JOB_STORE_FULL = "job_store_full"
+# `sift gateway` still waiting for its Redis and its start checks: it took the request for
+# nothing and stored nothing, so any request may be sent again, a delete job's too
+ERROR_STARTING = "starting"
 # the tenant was removed from the workers' keys: a failed job's type, and the 503 of an index
 # read its gateway sends until it restarts without the key; that lasts, so it is not retried
 ERROR_TENANT_REMOVED = "tenant_removed"

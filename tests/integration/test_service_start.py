@@ -24,10 +24,12 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+from typer.testing import CliRunner
 
 from tests import redis6
 from tests.keys import ACME, ACME_KEY
 from tests.redis6 import proxy_saying_version_6
+from worker.cli import app
 from worker.processes.stack import (
     Service,
     child_env,
@@ -247,6 +249,44 @@ def test_it_waits_for_a_redis_not_up_yet(tmp_path: Path, kind: str) -> None:
             assert proc.poll() is None
     finally:
         stop(proc, service.stop_timeout)
+
+
+def test_a_starting_gateway_says_it_stored_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``sift gateway`` waiting for its Redis (a port nobody listens on) stores nothing,
+    and its 503 says so by its type, ``starting``, as ``job_store_full``'s does: ``sift index
+    delete``, which sends its delete job again only when the gateway provably did nothing,
+    sends it again while the gateway starts, and then says nothing was stored. Its type was
+    ``unavailable``, whose write may have been made: the command stopped at its first 503
+    saying the delete "may have been accepted and run", though nothing was."""
+    env = {"SIFT_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0", "SIFT_WORKER_METRICS_PORT": "0"}
+    env.update(SIFT_DATA_DIR=str(tmp_path / "data"), SIFT_API_KEYS=json.dumps([ACME_KEY]))
+    service = _late_service("gateway", tmp_path, env)
+    assert service.log is not None
+    log = service.log
+    proc = service.start()
+    url = f"http://127.0.0.1:{service.port}"
+    monkeypatch.setattr("worker.cli.indexes.RETRY_SECONDS", 3.0)  # its 2 minutes' tries, cut
+    cli_env = {"SIFT_URL": url, "SIFT_API_KEY": ACME_KEY["key"], "COLUMNS": "200"}
+    try:
+        live = lambda: httpx.get(url + "/healthz", timeout=1).status_code == 200  # noqa: E731
+        wait_until(live, "its /healthz", proc, log)
+        asked = httpx.post(url + "/v1/indexes/demo/documents/delete", json={"ids": ["d1"]},
+                           headers=ACME, timeout=10)  # fmt: skip
+        ready = httpx.get(url + "/readyz", timeout=10)
+        deleted = CliRunner().invoke(app, ["index", "delete", "demo", "--yes"], env=cli_env)
+    finally:
+        stop(proc, service.stop_timeout)
+    assert asked.status_code == 503 and asked.headers["retry-after"] == "1", asked.text
+    assert asked.json()["error"]["type"] == "starting", asked.text
+    assert "nothing was stored; retry after 1 s" in asked.json()["error"]["message"], asked.text
+    assert ready.status_code == 503 and ready.json()["error"]["type"] == "starting", ready.text
+    said = " ".join(deleted.output.split())
+    assert deleted.exit_code == 1, said
+    assert "trying again" in said, said  # sent again while the gateway started
+    assert said.endswith("nothing was stored; retry after 1 s"), said
+    assert "may have been accepted" not in said, said
 
 
 @pytest.mark.parametrize("processes", ["2", "1"])

@@ -20,7 +20,7 @@ from tenacity import (
     wait_exponential,
 )
 
-from worker.constants import ERROR_JOB_STORE_FULL, ERROR_TENANT_REMOVED
+from worker.constants import ERROR_JOB_STORE_FULL, ERROR_STARTING, ERROR_TENANT_REMOVED
 from worker.contract import INDEX_PATTERN
 from worker.core.budget import answer_date, retry_after_seconds
 from worker.errors import ConfigError
@@ -38,6 +38,8 @@ TRANSIENT_STATUSES = frozenset({502, 503, 504})
 # this: a longer one is waited no longer than this before the next try.
 MAX_RETRY_AFTER_SECONDS = 30.0
 MAX_INDEX_CHARS = 128  # the gateway's IndexName
+# The 503 types of a gateway that stored nothing: its Redis full, or the gateway still starting
+NOTHING_STORED = frozenset({ERROR_JOB_STORE_FULL, ERROR_STARTING})
 
 
 def index_name(value: str | None) -> str | None:
@@ -87,7 +89,8 @@ class GatewayError(Exception):
     ``transient``: the same request may succeed when sent again, after ``retry_after``
     seconds when the answer said so. ``unsent``: it never reached the gateway (no
     connection was made), so it did nothing there. ``refused``: the gateway answered that
-    it stored nothing (``503 job_store_full``), so it did nothing there either."""
+    it stored nothing (``503 job_store_full``, or ``starting``: ``sift gateway`` still waits
+    for its Redis), so it did nothing there either."""
 
     def __init__(
         self,
@@ -270,10 +273,10 @@ class Gateway:
         ``unapplied_only``: only one that provably did nothing at the gateway is sent again,
         for a submission that is not safe to repeat (a delete job's: the gateway honours no
         Idempotency-Key on it): one that never reached it (a connection refused or not made
-        in time), or that it refused storing nothing (``503 job_store_full``). A 502, a 504,
-        a read timeout or a 503 ``unavailable`` may follow a job the gateway made (a proxy's,
-        or Redis stalling after the job's write), and a second one deletes nothing: it is
-        not sent again."""
+        in time), or that it refused storing nothing (``503 job_store_full`` or ``starting``).
+        A 502, a 504, a read timeout or a 503 ``unavailable`` may follow a job the gateway
+        made (a proxy's, or Redis stalling after the job's write), and a second one deletes
+        nothing: it is not sent again."""
         if retry_for <= 0:
             return self._send(method, path, json=json, params=params, headers=headers)
         retrying = Retrying(
@@ -339,7 +342,7 @@ class Gateway:
                 or limited
                 or _in_progress(response),
                 retry_after=_retry_after(response),
-                refused=code == 503 and _error_member(response, "type") == ERROR_JOB_STORE_FULL,
+                refused=code == 503 and _error_member(response, "type") in NOTHING_STORED,
             )
         return response
 
