@@ -1,6 +1,10 @@
 """The gateway's FastAPI app factory; clients are built in the lifespan, never at import.
 
-uvicorn --factory api_gateway.app:serve --port 8080   # what `sift gateway` runs
+`sift gateway` (``worker.cli.service``) runs :func:`serve` under uvicorn, with its start
+checks of Redis (its version, ``maxmemory-policy``, AOF) and its wait for a Redis not up yet.
+uvicorn run by hand serves the same routes with neither (no wait, nothing checked):
+
+    uvicorn --factory api_gateway.app:create_app --port 8080 --timeout-keep-alive 75
 """
 
 from __future__ import annotations
