@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import re
+import ssl
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Final
@@ -201,13 +202,31 @@ async def no_route_short_of_a_line_break(request: Request) -> None:
 
 def unavailable_reason(app: FastAPI, exc: Exception) -> str:
     """Why Redis failed a request, naming the setting that governs it: how long the gateway
-    waits for an answer, or where it looks for Redis."""
+    waits for an answer, or where it looks for Redis and how it connects (a database, the
+    credentials or the TLS handshake Redis refused). A refusal was said "could not be
+    reached" of a Redis that was up."""
     if isinstance(exc, redis.TimeoutError):
         seconds = app.state.settings.gateway_redis_timeout_seconds
         return f"Redis did not answer within {seconds:g} s (SIFT_GATEWAY_REDIS_TIMEOUT_SECONDS)"
     if str(exc).startswith(DB_OUT_OF_RANGE):
         return "Redis has no such database as SIFT_REDIS_URL names (DB index is out of range)"
+    if isinstance(exc, redis.AuthenticationError):  # NOAUTH, WRONGPASS
+        if not app.state.store.redis.connection_pool.connection_kwargs.get("password"):
+            return "Redis requires a password, and SIFT_REDIS_URL gives none"
+        return f"Redis refused the credentials of SIFT_REDIS_URL ({exc})"
+    if (handshake := _tls_failure(exc)) is not None:
+        return f"the TLS handshake with Redis (SIFT_REDIS_URL) failed ({handshake})"
     return "Redis (SIFT_REDIS_URL) could not be reached"
+
+
+def _tls_failure(exc: BaseException) -> str | None:
+    """What failed in the TLS handshake that ``exc`` came of (redis-py raises its
+    ``ConnectionError`` from the ``ssl`` module's error), else None."""
+    cause = exc.__cause__
+    if not isinstance(cause, ssl.SSLError):
+        return None
+    why = getattr(cause, "verify_message", None)  # a certificate's: why it was refused
+    return f"{cause.reason}: {why}" if why else str(cause.reason or cause)
 
 
 def job_store_unavailable(reason: str) -> ApiError:

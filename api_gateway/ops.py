@@ -49,7 +49,8 @@ REDIS_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, OSError)
 READYZ_503 = (
     "Not ready, retry after `Retry-After` seconds, the message naming why: `starting`, "
     "`sift gateway` still waits for its Redis and its start checks; `unavailable`, Redis "
-    "(the job store) is down, restarting or did not answer in time."
+    "(the job store) is down, restarting, refused the URL's credentials or TLS handshake, "
+    "or did not answer in time."
 )
 
 

@@ -10,6 +10,7 @@ test's tmp dir) signed for 127.0.0.1.
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import time
 from collections.abc import Iterator
@@ -22,7 +23,15 @@ from celery import Celery
 
 from tests.fake_anthropic import FakeAnthropic
 from tests.integration.es_loopback import PrivateCa, private_ca
-from tests.reliability.support import ACME, DOWN_SECONDS, ingest, stack_env, submit_search, wait_for
+from tests.reliability.support import (
+    ACME,
+    DOWN_SECONDS,
+    KEYS,
+    ingest,
+    stack_env,
+    submit_search,
+    wait_for,
+)
 from tests.services import free_port, gateway
 from worker.processes.stack import child_env, redis_service, running, worker_process
 from worker.queue.config import celery_config
@@ -146,3 +155,28 @@ def test_a_worker_on_a_tls_redis_survives_its_restart(tmp_path: Path, ca: Privat
                 assert searched(client) == "succeeded"  # sent after the restart
                 assert "Unrecoverable error" not in log.read_text(errors="replace")
                 assert worker.poll() is None
+
+
+def test_a_certificate_the_gateway_refuses_is_a_503_naming_tls(
+    tmp_path: Path, ca: PrivateCa, other_ca: PrivateCa
+) -> None:
+    """The gateway's Redis comes back (a restart, a failover) with a certificate the URL's CA
+    did not sign: each new connection's TLS handshake fails. ``/readyz`` and a request say
+    so, and why: they said Redis "could not be reached", which sent the operator looking for
+    a Redis that was up."""
+    port = free_port()
+    env = {"SIFT_REDIS_URL": tls_url(port, ca), "SIFT_API_KEYS": json.dumps(KEYS)}
+    with contextlib.ExitStack() as running_stack:
+        first = running_stack.enter_context(contextlib.ExitStack())
+        first.enter_context(tls_redis(tmp_path / "redis", ca, port))
+        base = running_stack.enter_context(gateway(tmp_path / "g", env))
+        first.close()  # Redis stops; it comes back signed by another CA
+        running_stack.enter_context(tls_redis(tmp_path / "redis", other_ca, port))
+        with httpx.Client(base_url=base, timeout=30) as client:
+            ready = client.get("/readyz")
+            asked = client.get("/v1/searches/srch_0123456789abcdef0123456789abcdef", headers=ACME)
+    for answer in (ready, asked):
+        assert answer.status_code == 503 and answer.json()["error"]["type"] == "unavailable"
+        message = answer.json()["error"]["message"]
+        assert "TLS handshake with Redis (SIFT_REDIS_URL) failed" in message, message
+        assert "CERTIFICATE_VERIFY_FAILED" in message, message

@@ -297,3 +297,47 @@ def test_a_database_redis_does_not_have_is_a_503_naming_the_url(tmp_path: Path) 
                 assert "SIFT_REDIS_URL" in message and "database" in message, message
     finally:
         server.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("given", "refusal"),
+    [
+        (None, "Redis requires a password, and SIFT_REDIS_URL gives none"),
+        ("old", "Redis refused the credentials of SIFT_REDIS_URL (invalid username-password"),
+    ],
+    ids=["no-password", "wrong-password"],
+)
+def test_a_password_redis_refuses_is_a_503_naming_the_refusal(
+    tmp_path: Path, given: str | None, refusal: str
+) -> None:
+    """Redis answers and refuses the URL's credentials: a ``requirepass`` set on a Redis the
+    URL gives no password for (``NOAUTH``), or changed from the one it gives (``WRONGPASS``),
+    once the gateway runs (it waits out a refusal at its start). ``/readyz`` and a request
+    say Redis refused them, and why: they said it "could not be reached", which sent the
+    operator looking for a Redis that was up."""
+    server = RestartableRedis(tmp_path / "redis")
+    server.start()
+    admin = redis.Redis.from_url(server.url)
+    try:
+        if given is not None:
+            admin.config_set("requirepass", given)
+            admin.auth(given)
+        url = server.url.replace("//", f"//:{given}@") if given else server.url
+        env = {"SIFT_REDIS_URL": url + "/0", "SIFT_API_KEYS": json.dumps(KEYS)}
+        with (
+            gateway(tmp_path / "g", env) as base,
+            httpx.Client(base_url=base, timeout=30) as client,
+        ):
+            admin.config_set("requirepass", "rotated")
+            # the gateway's connections, each authenticated at its open: new ones are refused
+            admin.client_kill_filter(_type="normal")
+            ready = client.get("/readyz")
+            asked = client.get("/v1/searches/srch_0123456789abcdef0123456789abcdef", headers=ACME)
+    finally:
+        admin.close()
+        server.close()
+    for answer in (ready, asked):
+        assert answer.status_code == 503 and answer.json()["error"]["type"] == "unavailable"
+        message = answer.json()["error"]["message"]
+        assert refusal in message and "could not be reached" not in message, message
