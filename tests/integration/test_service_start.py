@@ -316,12 +316,21 @@ def test_a_worker_serves_its_metrics_while_it_waits_for_redis(
         stop(proc, service.stop_timeout)
 
 
+@pytest.mark.parametrize(
+    ("sig", "code", "word"),
+    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")],
+    ids=["ctrl-c", "sigterm"],
+)
 @pytest.mark.parametrize("kind", ["worker", "gateway", "up"])
-def test_a_ctrl_c_while_it_waits_for_redis_says_so(tmp_path: Path, kind: str) -> None:
+def test_a_ctrl_c_while_it_waits_for_redis_says_so(
+    tmp_path: Path, kind: str, sig: signal.Signals, code: int, word: str
+) -> None:
     """Ctrl-C while ``sift worker``, ``sift gateway`` or ``sift up`` waits for its Redis:
     nothing was started yet (the gateway, live meanwhile, was never ready), and one line says
     so, exit 130 (it ended with no word: ``sift up``'s own Ctrl-C line, "interrupted while
-    starting", comes once it starts processes)."""
+    starting", comes once it starts processes). A SIGTERM is taken as a Ctrl-C, said
+    "terminated", exit 143: the gateway's uvicorn stopped and sent itself the signal again,
+    whose default killed it with no line (status -15)."""
     env = {"SIFT_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0", "COLUMNS": "200"}
     env.update(SIFT_WORKER_METRICS_PORT="0", SIFT_DATA_DIR=str(tmp_path / "data"))
     service = _late_service(kind, tmp_path, env)
@@ -330,14 +339,14 @@ def test_a_ctrl_c_while_it_waits_for_redis_says_so(tmp_path: Path, kind: str) ->
     proc = service.start()
     try:
         wait_until(lambda: b"waiting: cannot connect" in log.read_bytes(), kind, proc, log)
-        proc.send_signal(signal.SIGINT)
-        code = proc.wait(30)
+        proc.send_signal(sig)
+        status = proc.wait(30)
     finally:
         stop(proc, service.stop_timeout)
     said = log.read_text(errors="replace")
-    assert code == 130, said[-3000:]
+    assert status == code, said[-3000:]
     stopped = "the gateway stopped, never ready" if kind == "gateway" else "nothing was started"
-    assert f"interrupted while waiting for Redis; {stopped}" in said, said[-3000:]
+    assert f"{word} while waiting for Redis; {stopped}" in said, said[-3000:]
     assert "Traceback" not in said, said[-3000:]
 
 

@@ -114,15 +114,20 @@ def gateway(
         access_log=False, log_level=settings.log_level.lower(),
         timeout_keep_alive=GATEWAY_KEEP_ALIVE_SECONDS,
     ))  # fmt: skip
-    with contextlib.suppress(KeyboardInterrupt):  # uvicorn's own stop, as uvicorn.run's
+    # uvicorn stops on a Ctrl-C or a SIGTERM, then sends itself the signal again: a Ctrl-C's
+    # KeyboardInterrupt ends it as uvicorn.run's does, and so does a SIGTERM's here (its
+    # default killed the gateway with no line while it waited for Redis)
+    with sigterm_as_ctrl_c() as signals, contextlib.suppress(KeyboardInterrupt):
         server.run()
     if checked and checked[0]:
         raise typer.Exit(checked[0])
     if not server.started:
         raise typer.Exit(UVICORN_STARTUP_FAILURE)
-    if not checked:  # a Ctrl-C (or uvicorn's stop) before Redis answered and was checked
-        errors.print("interrupted while waiting for Redis; the gateway stopped, never ready")
-        raise typer.Exit(EXIT_INTERRUPTED)
+    if not checked:  # a Ctrl-C or SIGTERM (or uvicorn's stop) before Redis answered and passed
+        errors.print(f"{signals.word} while waiting for Redis; the gateway stopped, never ready")
+        raise typer.Exit(signals.code)
+    if signals.terminated:  # a gateway that served: its status is the signal's, as before
+        signal.raise_signal(signal.SIGTERM)
 
 
 def _known_queues(value: str) -> str:
