@@ -530,3 +530,46 @@ def test_outside_cancels_past_the_retry_budget_end_in_the_failure_policy_as_http
         assert [a["outcome"] for a in attempts] == ["http_5xx"] * 3, attempts
         assert {a["provider_result"] for a in attempts} == {"canceled"}
     assert len(stack.model.batches()) == 3
+
+
+def test_an_item_whose_resubmission_is_refused_for_good_keeps_its_rerank_seconds(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    # the request errors (resubmitted), and its resubmission's create is refused (400): the
+    # poll gives up on it and the item fails. Its first round was out (its provider batch's
+    # seconds) and it waited after it; its rerank_seconds, its first send to its failure,
+    # are those summed, as for an item whose last result was mapped. They were 0.
+    stack.model.script_batch({"i0": [errored("overloaded_error")]})
+    stack.model.script_batch_calls("create", [good(), status(400, message="requests: bad")])
+    batch_id = _submit(stack, _items(queries, 1), "economy", include_trace=True)
+    assert _wait(stack, batch_id)["counts"]["failed"] == 1
+    trace = _results(stack, batch_id)["q0"]["error"]["trace"]
+    first, refused = attempts = trace["attempts"]
+    assert (first["outcome"], refused["outcome"]) == ("http_5xx", "http_4xx"), attempts
+    assert first["seconds"] > 0 and refused["seconds"] == 0.0, attempts  # never out again
+    waits = sum(a["seconds"] + a["backoff_wait_seconds"] for a in attempts)
+    assert trace["rerank_seconds"] == pytest.approx(waits, abs=1e-6), trace
+
+
+def test_an_item_failed_while_its_request_was_out_tells_the_time_it_was_out(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    # a create in doubt (a 500, retry-after 1: settled no sooner) whose one candidate proves
+    # another client's; the items' resend is refused (400) for good, twice (once by the
+    # poll's mapping, once as it gives up): they fail. Their request was out from that create
+    # to the failure, a second at least: the one attempt's seconds, and the item's
+    # rerank_seconds, say so. Both were 0, as if it had never gone.
+    stack.model.configure(batch_processing_seconds=0.5)
+    _foreign_batch(stack, 2)
+    refused = status(400, message="requests: bad")
+    stack.model.script_batch_calls("create", [status(500, retry_after=1), refused, refused])
+    batch_id = _submit(stack, _items(queries, 2), "economy", include_trace=True)
+    done = _wait(stack, batch_id)
+    assert done["counts"]["failed"] == 2, done
+    for item in _results(stack, batch_id).values():
+        trace = item["error"]["trace"]
+        [attempt] = trace["attempts"]
+        assert attempt["outcome"] == "http_4xx" and attempt["backoff_wait_seconds"] == 0.0
+        # the shared clock's readings err by half a round trip to Redis
+        assert attempt["seconds"] >= 1.0 - 0.05, attempt
+        assert trace["rerank_seconds"] == pytest.approx(attempt["seconds"], abs=1e-6), trace

@@ -25,6 +25,7 @@ from worker.queue.economy.records import (
     as_sent,
     backed_off,
     economy_pipeline,
+    out_for,
     rerank_run,
     running_items,
 )
@@ -213,25 +214,29 @@ def fail_items(
     task: SiftTask, batch: BatchJob, query_ids: Sequence[str], failure: RerankAttemptError
 ) -> None:
     """Apply the failure policy to running items that could not be sent or polled
-    (:func:`_end_items`): each item's run gets the failed attempt. That attempt is counted
-    in the metrics once its failure is saved: a task killed between the two, run again,
-    fails the item again, and counted first, it counted the attempt twice (and once for an
-    item another run had finished meanwhile)."""
+    (:func:`_end_items`): each item's run gets the failed attempt, its ``seconds`` the time
+    its request was out till the failure (:func:`out_for`), and the run's (the trace's
+    ``rerank_seconds``) its first send till then, as a mapped result's run; both were 0.
+    That attempt is counted in the metrics once its failure is saved: a task killed between
+    the two, run again, fails the item again, and counted first, it counted the attempt
+    twice (and once for an item another run had finished meanwhile)."""
     pipeline = economy_pipeline(task)
 
     def failed(record: dict[str, Any]) -> tuple[RerankRun, list[Callable[[], None]]]:
-        run = rerank_run(record)
+        run, now = rerank_run(record), clock.now()
         model = record.get("model")  # the model its request went to, if it was sent
         cost = pipeline.add_attempt(
             run,
             failure.outcome,
             None,
-            0.0,
+            out_for(record, now),
             model=model,
             provider_error=True,
-            backoff_wait_seconds=backed_off(record, clock.now()),
+            backoff_wait_seconds=backed_off(record, now),
         )
         run.failure = failure
+        # its first send to its failure, as a mapped result's run is to its result
+        run.seconds = now - float(record["first_submitted_at"] or now)
         return run, [partial(pipeline.count_attempt, failure.outcome, None, cost, model)]
 
     _end_items(task, batch, query_ids, failed)

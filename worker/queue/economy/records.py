@@ -96,6 +96,27 @@ def backed_off(run: dict[str, Any], now: float) -> float:
     return max(0.0, (sent if sent is not None and sent > mapped else now) - float(mapped))
 
 
+def out_for(run: dict[str, Any], now: float) -> float:
+    """How long an item's request has been out at ``now``, for an attempt that fails it
+    there (its ``seconds``, as a mapped result's are its provider batch's): since it was
+    sent (``submitted_at``: its create, or the create in doubt it waits on), if it went
+    since its last result was counted; 0 if it is not out (never sent, or its resubmission
+    not made). With :func:`backed_off`'s wait before it, the time from that result to
+    ``now``.
+
+    >>> out_for({"mapped_at": None, "submitted_at": None}, 9.0)  # never sent
+    0.0
+    >>> out_for({"mapped_at": None, "submitted_at": 5.0}, 9.0)
+    4.0
+    >>> out_for({"mapped_at": 10.0, "submitted_at": 4.0}, 20.0)  # not sent again
+    0.0
+    """
+    sent, mapped = run.get("submitted_at"), run.get("mapped_at")
+    if sent is None or (mapped is not None and sent <= mapped):
+        return 0.0
+    return max(0.0, now - float(sent))
+
+
 def as_sent(prepared: Prepared, run: dict[str, Any]) -> Prepared:
     """``prepared`` as its item's last request was sent: to the model the run names (the
     worker finishing it may be of another model, after a deploy), with the prompt policy it
