@@ -573,3 +573,20 @@ def test_an_item_failed_while_its_request_was_out_tells_the_time_it_was_out(
         # the shared clock's readings err by half a round trip to Redis
         assert attempt["seconds"] >= 1.0 - 0.05, attempt
         assert trace["rerank_seconds"] == pytest.approx(attempt["seconds"], abs=1e-6), trace
+
+
+def test_a_resubmission_s_create_answered_529_waits_out_its_retry_after(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    # the request errors (resubmitted), and its resubmission's create is answered 529 with
+    # retry-after 3: the poll sends it again no sooner, as the submission does, not at its own
+    # cadence (a second at most here)
+    stack.model.script_batch({"i0": [errored("overloaded_error")]})
+    stack.model.script_batch_calls("create", [good(), status(529, retry_after=3)])
+    batch_id = _submit(stack, _items(queries, 1), "economy", include_trace=True)
+    assert _wait(stack, batch_id)["counts"]["succeeded"] == 1
+    first, retry = attempts = _results(stack, batch_id)["q0"]["result"]["trace"]["attempts"]
+    assert (first["outcome"], retry["outcome"]) == ("http_5xx", "ok"), attempts
+    # its result counted before the 529, sent again after its retry-after
+    assert retry["backoff_wait_seconds"] >= 3.0 - 0.05, attempts
+    assert len(stack.model.batches()) == 2  # the refused create made nothing

@@ -23,7 +23,12 @@ from worker.queue.economy.records import (
     save_provider_record,
 )
 from worker.queue.economy.results import candidate_ended, map_results
-from worker.queue.economy.watch import batches_client, message_taken, poll_countdown
+from worker.queue.economy.watch import (
+    batches_client,
+    message_taken,
+    poll_countdown,
+    retry_countdown,
+)
 from worker.queue.jobstore import BatchJob, JobStore
 
 log = logging.getLogger(__name__)
@@ -110,8 +115,10 @@ def _poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
                           + CANDIDATE_UNREAD_SECONDS)  # fmt: skip
         if polled_again(exc) and clock.now() < give_up:
             log.warning("provider batch %s: %s; polling again", provider_id, exc)
-            expect(self, batch_id, provider_id, poll_countdown(self))
-            raise self.retry(countdown=poll_countdown(self)) from exc
+            # a retry-after honoured, a read's or a resubmission's create's, as the submission's
+            countdown = retry_countdown(self, exc)
+            expect(self, batch_id, provider_id, countdown)
+            raise self.retry(countdown=countdown) from exc
         log.error("provider batch %s: giving up: %s", provider_id, exc)
         store.economy_met(batch_id, provider_id)
         if record.get("doubt"):  # not shown to be ours: as if it were another client's
@@ -147,8 +154,9 @@ def _resend_after_candidate(
         if exc.retryable and clock.now() < give_up:
             log.warning("batch %s: resending after candidate %s failed, retrying: %s",
                         batch.id, provider_id, exc)  # fmt: skip
-            expect(task, batch.id, provider_id, poll_countdown(task))
-            raise task.retry(countdown=poll_countdown(task)) from exc
+            countdown = retry_countdown(task, exc)
+            expect(task, batch.id, provider_id, countdown)
+            raise task.retry(countdown=countdown) from exc
         submission = provider_record(task.context.store, batch.id, provider_id).get("submission")
         waiting = items_waiting(task.context.store, batch.id, DOUBT + str(submission), None)
         fail_items(task, batch, waiting, exc)

@@ -38,7 +38,7 @@ from worker.queue.economy.watch import (
     SUBMIT_CLAIM,
     batches_client,
     message_taken,
-    poll_countdown,
+    retry_countdown,
     send_anew,
     send_poll,
 )
@@ -373,8 +373,7 @@ def _submit(self: SiftTask, batch_id: str) -> None:
         deadline = batch.created_at + settings.economy_deadline_seconds
         if exc.retryable and clock.now() < deadline:
             log.warning("batch %s: submission failed, retrying: %s", batch_id, exc)
-            # not before the rate budget or a 429's retry-after frees it
-            countdown = max(poll_countdown(self), exc.retry_after or 0.0)
+            countdown = retry_countdown(self, exc)
             expect(self, batch_id, SUBMIT_CLAIM, countdown)
             raise self.retry(exc=exc, countdown=countdown) from exc
         log.error("batch %s: submission failed for good: %s", batch_id, exc)

@@ -73,6 +73,12 @@ def poll_countdown(task: SiftTask) -> float:
     )
 
 
+def retry_countdown(task: SiftTask, exc: RerankAttemptError) -> float:
+    """When a task whose call failed with ``exc`` tries again: at the poll's cadence, and not
+    before the rate budget or the provider's ``retry-after`` (a 429's, a 529's) frees it."""
+    return max(poll_countdown(task), exc.retry_after or 0.0)
+
+
 NO_CLIENT = "the economy lane needs SIFT_GENERATION_MODEL"
 
 
