@@ -1378,18 +1378,26 @@ def test_several_processes_never_queue_more_than_the_cap(
     assert BatchQueue(client, MODEL, 100).queued() == 98
 
 
-def test_a_submission_waits_for_room_in_the_processing_queue(
-    fake: fa.FakeAnthropic, client: redis.Redis, redis_url: str
-) -> None:
+def _metered_batches(fake: fa.FakeAnthropic, redis_url: str, queued: int) -> MeteredBatches:
+    """The economy lane's Message Batches client, metered on a processing queue of
+    ``queued`` requests, sending to ``fake`` over the real SDK."""
     settings = load_settings(
         generation_model=f"anthropic:{MODEL}",
         redis_url=redis_url,
-        rate_limits={MODEL: {"economy": {"queued": 8}}},
+        rate_limits={MODEL: {"economy": {"queued": queued}}},
     )
     batches = build_batch_client(settings)
-    assert isinstance(batches, MeteredBatches) and batches.queue is not None
+    assert isinstance(batches, MeteredBatches)
     sdk = anthropic.Anthropic(base_url=fake.url, api_key="sk-test", max_retries=0)
     batches.reranker._client, batches.reranker._owns_client = sdk, False
+    return batches
+
+
+def test_a_submission_waits_for_room_in_the_processing_queue(
+    fake: fa.FakeAnthropic, client: redis.Redis, redis_url: str
+) -> None:
+    batches = _metered_batches(fake, redis_url, queued=8)
+    assert batches.queue is not None
     params = batches.request_params(PROMPT)
 
     def requests(n: int) -> list[dict[str, Any]]:
@@ -1805,15 +1813,8 @@ def test_a_submission_at_a_full_redis_takes_its_places_in_the_processing_queue(
     entry named for its provider batch and dropped when a poll sees that end; the cap still
     holds. Refused before, the take's ``OutOfMemoryError`` stopped the create unsent, its runs
     saying it was under way: the next run had to settle it as a create in doubt."""
-    settings = load_settings(
-        generation_model=f"anthropic:{MODEL}",
-        redis_url=redis_url,
-        rate_limits={MODEL: {"economy": {"queued": 8}}},
-    )
-    batches = build_batch_client(settings)
-    assert isinstance(batches, MeteredBatches) and batches.queue is not None
-    sdk = anthropic.Anthropic(base_url=fake.url, api_key="sk-test", max_retries=0)
-    batches.reranker._client, batches.reranker._owns_client = sdk, False
+    batches = _metered_batches(fake, redis_url, queued=8)
+    assert batches.queue is not None
     requests = [{"custom_id": f"i{i}", "params": batches.request_params(PROMPT)} for i in range(6)]
     fill()
     created = batches.create(requests)
