@@ -18,7 +18,8 @@ model's address, and no metrics port (several workers on one machine).
   3x the soft-shutdown window, leaves no item ``running``, and another worker finishes the
   batch with every item sent to the model exactly once; under the shared rate budget too,
   the items waiting for it going back at once (not held to the stop deadline, not counted
-  lost); a stop that model calls do hold to its deadline names them in its line.
+  lost); a stop that model calls do hold to its deadline names them in its line; on the
+  ``solo`` pool too, no retry of a 429 sent by the stopping worker.
 """
 
 from __future__ import annotations
@@ -446,6 +447,39 @@ def test_sigterm_hands_back_an_item_waiting_out_a_429_s_retry_after(
             assert lost.hgetall(BATCH_LOST_KEY + batch_id) == {}
         finally:
             lost.close()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("pool", ["threads", "solo"])
+def test_sigterm_sends_no_retry_of_a_429_answered_as_the_stop_begins(
+    tmp_path: Path, shared: RecoveryStack, pool: str
+) -> None:
+    """SIGTERM while a batch item's call is in flight, then its answer, a 429 of
+    ``retry-after: 0.5``: the item goes back with its chunk, its retry not sent by the
+    stopping worker, on either pool. The ``solo`` pool runs the chunk task in the consumer's
+    event-loop thread: the hand-back waited (up to 2 s) for that busy loop to cancel the
+    consumer before it closed the item queue, so the pause ended first and the stopping
+    worker sent the retry, a second billed call; then the chunk's own hand-back waited 2 s
+    more for the loop it was blocking."""
+    with (
+        FakeAnthropic(delay=MODEL_SECONDS) as model,
+        recovery_stack(shared) as (_, env, client),
+    ):
+        env = child_env({**env, "ANTHROPIC_BASE_URL": model.url}, inherit_sift=False)
+        model.configure(hold_until_received=2)  # the call waits unanswered...
+        model.script([fa.status(429, retry_after=0.5)])
+        with worker_process(tmp_path / "w", env, pool=pool) as stopping:
+            ingest(client)
+            submit(client, 1)
+            wait_for(lambda: model.counts()["received"] == 1, "the item's call")
+            stopping.send_signal(signal.SIGTERM)
+            wait_for(lambda: WARM_SHUTDOWN in worker_log(tmp_path / "w", "worker"), "stop")
+            model.configure(hold_until_received=0)  # ...until the stop has begun: the 429
+            code = stopping.wait(60)
+        log = worker_log(tmp_path / "w", "worker")
+        assert code == 0, log[-3000:]
+        assert model.counts()["received"] == 1, (pool, model.counts())  # no retry sent
+        assert "1 items handed back" in log, log[-3000:]
 
 
 @pytest.mark.timeout(600)

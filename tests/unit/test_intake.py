@@ -4,6 +4,7 @@ given back only where the worker reads it; a real kombu consumer on the memory t
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
 
@@ -169,6 +170,13 @@ class RunningHub(Hub):
         callback()
 
 
+def elsewhere(call: Callable[[], bool]) -> bool:
+    """``call`` from a thread not the event loop's (the test's own, which attached the
+    consumer, plays the loop's): the hand-back thread's, or a task's on the threads pool."""
+    with ThreadPoolExecutor(1) as other:
+        return other.submit(call).result()
+
+
 def test_a_stop_cancels_every_queue_before_it_returns_and_nothing_is_read_again(
     app: Celery, connection: Connection
 ) -> None:
@@ -180,11 +188,11 @@ def test_a_stop_cancels_every_queue_before_it_returns_and_nothing_is_read_again(
     intake = ConsumerIntake()
     intake.attach(c)
     assert not intake.stopping
-    assert intake.stop_taking() and intake.stopping
+    assert elsewhere(intake.stop_taking) and intake.stopping
     assert reading(c) == set()
     intake.resume()
     assert reading(c) == set()
-    assert intake.stop_taking()  # again: the same cancel, done
+    assert elsewhere(intake.stop_taking)  # again: the same cancel, done
 
 
 def test_a_stop_waits_for_the_event_loop_to_cancel(app: Celery, connection: Connection) -> None:
@@ -193,11 +201,26 @@ def test_a_stop_waits_for_the_event_loop_to_cancel(app: Celery, connection: Conn
     c = consumer(app, connection)
     intake = ConsumerIntake()
     intake.attach(c)
-    assert not intake.stop_taking(timeout=0)
+    assert not elsewhere(lambda: intake.stop_taking(timeout=0))
     assert reading(c) == set(ALL_QUEUES)
     c.hub.run()
     assert reading(c) == set()
+    assert elsewhere(lambda: intake.stop_taking(timeout=0))
+
+
+def test_a_stop_in_the_event_loop_s_thread_cancels_there(
+    app: Celery, connection: Connection
+) -> None:
+    """The ``solo`` pool runs a task in the event loop's thread, which runs no callback until
+    the task returns: a chunk's hand-back there cancels the consumer itself. It waited for the
+    loop, its whole timeout (2 s) on every chunk handed back."""
+    c = consumer(app, connection)
+    intake = ConsumerIntake()
+    intake.attach(c)  # from the thread that runs its event loop: this one
     assert intake.stop_taking(timeout=0)
+    assert reading(c) == set()
+    c.hub.run()  # the loop's turn once the task returns: nothing left to cancel, no error
+    assert reading(c) == set()
 
 
 def test_an_item_queue_made_once_the_stop_began_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -267,10 +267,13 @@ def warm_up(settings: Settings) -> None:
 
 
 def hand_back_items() -> None:
-    """The worker is stopping: its consumer takes no more messages, then the batch items not
-    yet started go back (:mod:`worker.queue.items`), so no chunk handed back comes back to
-    this process (:meth:`~worker.queue.intake.ConsumerIntake.stop_taking`)."""
-    INTAKE.stop_taking()
+    """The worker is stopping: its consumer is to take no more messages, and the batch items
+    not yet started go back at once (:mod:`worker.queue.items`). This waits for no cancel:
+    each chunk's :meth:`SiftTask.hand_back` does before its message goes back, so none comes
+    back to this process (on the ``solo`` pool the chunk runs in the event loop that would
+    cancel it: a 429's pause ended during such a wait, and its retry was sent). Marked
+    stopping first: an item queue made after this is born closed."""
+    INTAKE.stop_taking(timeout=0)
     context = _context
     if context is not None and context._items is not None:
         context._items.hand_back()

@@ -25,10 +25,12 @@ stops. A consumer after a reconnect starts on every selected queue; attaching it
 the wanted state again.
 
 A stopping process takes no message at all (:meth:`ConsumerIntake.stop_taking`): its
-consumer is cancelled on every queue before anything is handed back. Celery's warm shutdown
-only sets a flag that the event loop reads at its next turn, and the turn already under way
-delivers what its poll returns: a chunk the process (or its sibling, stopping beside it)
-handed back at once came back to it, and ran there to its end, a 429's pause included.
+consumer is cancelled on every queue before any message is handed back. Celery's warm
+shutdown only sets a flag that the event loop reads at its next turn, and the turn already
+under way delivers what its poll returns: a chunk the process (or its sibling, stopping
+beside it) handed back at once came back to it, and ran there to its end, a 429's pause
+included. The ``solo`` pool runs a task in the event loop's own thread: a chunk's hand-back
+there cancels the consumer itself, as the loop cannot turn until the task returns.
 """
 
 from __future__ import annotations
@@ -60,9 +62,13 @@ class ConsumerIntake:
         self._paused = False  # what the item queue asked for last
         self._stopping = False  # the worker is stopping: take no more messages
         self._stopped = threading.Event()  # ...and the consumer has been cancelled
+        self._loop_thread: int | None = None  # the thread that runs the consumer's event loop
 
     def attach(self, consumer: Any) -> None:
+        """Follow ``consumer``, from the thread that then runs its event loop (its bootstep's
+        start)."""
         self._consumer = consumer
+        self._loop_thread = threading.get_ident()
         self._schedule()  # a consumer after a reconnect reads every queue: pause it again
 
     def pause(self) -> None:
@@ -82,12 +88,16 @@ class ConsumerIntake:
         """The worker is stopping: its consumer takes no more messages, of any queue. Waits
         (up to ``timeout``) until the event loop has cancelled it, so that what the process
         hands back after this cannot come back to it; True once it has. Called again, it
-        waits for the same cancel. Without an event loop, no message was taken: True."""
+        waits for the same cancel. Called in the event loop's thread (a task of the ``solo``
+        pool), it cancels it there and then: the loop runs nothing until the task returns.
+        Without an event loop, no message was taken: True."""
         self._stopping = True
         hub = getattr(self._consumer, "hub", None)
         if hub is None:
             return True
-        if not self._stopped.is_set():
+        if threading.get_ident() == self._loop_thread:
+            self.cancel_all()
+        elif not self._stopped.is_set():
             hub.call_soon(self.cancel_all)
         return self._stopped.wait(timeout)
 
