@@ -15,10 +15,11 @@ And past 90 % of Redis's ``maxmemory`` (:class:`StoreMemory`), new jobs are refu
 503 ``job_store_full`` (nothing stored, as at the limit itself), so the jobs running can
 still write their ends. A batch, or a search as a batch of one, is judged with what it will
 add (:func:`batch_bytes`, its items and their results, each hit priced by its index's mean
-document, :func:`hit_bytes`), so one admitted below 90 % does not fill Redis on its own;
-and what Redis holds is read with the results the work queued or running still owes, each
-job's as it was priced when admitted (:func:`with_results_owed`), so batches admitted one
-after another do not fill it together.
+document, :func:`hit_bytes`, and each candidate its traces list by the same, cut where a
+trace cuts its text, :func:`trace_candidate_bytes`), so one admitted below 90 % does not
+fill Redis on its own; and what Redis holds is read with the results the work queued or
+running still owes, each job's as it was priced when admitted (:func:`with_results_owed`),
+so batches admitted one after another do not fill it together.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 
 import redis
+
+from worker.contract import SearchSpec
 
 log = logging.getLogger(__name__)
 
@@ -160,8 +163,15 @@ HIT_BYTES = 420
 #: About what one hit holds beside its document's title, text and metadata: its id,
 #: revision, scores, ranks and their JSON keys (HIT_BYTES less the sample's text)
 HIT_OVERHEAD_BYTES = 320
-#: About what an item's trace adds to its result (``include_trace``; measured 3.9 kB)
-TRACE_BYTES = 4_000
+#: About what an item's trace (``include_trace``) holds beside its candidates: its fusion,
+#: timings, model attempts and usage (measured 1.0 kB with one attempt)
+TRACE_BYTES = 2_000
+#: About what one candidate of a trace holds beside its title and text: its id, revision,
+#: ranks, scores and their JSON keys (measured 175 to 231 B)
+TRACE_CANDIDATE_OVERHEAD_BYTES = 250
+#: What one candidate of a trace takes when its index's documents are not known (as
+#: :data:`HIT_BYTES`: the sample corpus's text, some 100 characters)
+TRACE_CANDIDATE_BYTES = TRACE_CANDIDATE_OVERHEAD_BYTES + HIT_BYTES - HIT_OVERHEAD_BYTES
 
 
 def hit_bytes(size: tuple[int, int] | None) -> int:
@@ -183,34 +193,81 @@ def hit_bytes(size: tuple[int, int] | None) -> int:
     return HIT_OVERHEAD_BYTES + -(-stored // documents)
 
 
+def trace_candidate_bytes(size: tuple[int, int] | None, max_chars: int) -> int:
+    """About what one candidate of a trace over an index of ``size`` (as :func:`hit_bytes`
+    reads it) takes: its own fields, and its document's title and text, the text cut to
+    ``max_chars`` characters (``SIFT_RERANK_CANDIDATE_MAX_CHARS``): the index's mean
+    document, at most ``max_chars``. A trace's candidates were priced at a fixed 4 kB a
+    trace, and carried their texts whole: one search of 50 candidates of 50,000 characters
+    was priced at 55 kB and wrote 2.6 MB.
+
+    >>> trace_candidate_bytes(None, 1_200), trace_candidate_bytes((100, 9_900_000), 1_200)
+    (350, 1450)
+    """
+    return TRACE_CANDIDATE_OVERHEAD_BYTES + min(hit_bytes(size) - HIT_OVERHEAD_BYTES, max_chars)
+
+
+def traced_candidates(spec: SearchSpec, window: int) -> int:
+    """How many candidates ``spec``'s trace lists: none without ``include_trace``; its
+    rerank's coarse window when it reranks (its ``limit``, or its ``candidate_limit`` if
+    larger, ``window`` where it sets none: the deployment's ``SIFT_RERANK_CANDIDATE_LIMIT``),
+    else its hits. An index's own ``candidate_limit`` is not known here (it is kept in the
+    backend): a larger one lists more than this counts.
+
+    >>> spec = SearchSpec(index="i", query="q", limit=5, include_trace=True, rerank=True)
+    >>> unranked = spec.model_copy(update={"rerank": False})
+    >>> traced_candidates(spec, 30), traced_candidates(unranked, 30)
+    (30, 5)
+    """
+    if not spec.include_trace:
+        return 0
+    if not spec.rerank:
+        return spec.limit
+    return max(spec.limit, spec.candidate_limit or window)
+
+
 def batch_bytes(
-    items: list[tuple[str, str]], hits: int, traced: bool, per_hit: int = HIT_BYTES
+    items: list[tuple[str, str]],
+    hits: int,
+    traced: int = 0,
+    per_hit: int = HIT_BYTES,
+    per_candidate: int = TRACE_CANDIDATE_BYTES,
 ) -> int:
     """About how many bytes a batch will hold in Redis once each item has its result:
     ``items`` its (query id, spec JSON) pairs, ``hits`` the most hits their results hold (the
-    sum of their limits), ``traced`` whether it asked for traces, ``per_hit`` what one hit
-    takes (:func:`hit_bytes` of its index). An estimate, not a bound: a result's hits carry
-    their documents, which are priced at their index's mean.
+    sum of their limits), ``traced`` the candidates their traces list (the sum of
+    :func:`traced_candidates`: 0 without ``include_trace``), ``per_hit`` what one hit takes
+    (:func:`hit_bytes` of its index), ``per_candidate`` one candidate of a trace
+    (:func:`trace_candidate_bytes`). An estimate, not a bound: a result's hits carry their
+    documents, which are priced at their index's mean.
 
-    >>> batch_bytes([("q1", "{}")], hits=10, traced=False)
+    >>> batch_bytes([("q1", "{}")], hits=10)
     4604
-    >>> batch_bytes([("q1", "{}")], hits=10, traced=False, per_hit=99_320)
+    >>> batch_bytes([("q1", "{}")], hits=10, per_hit=99_320)
     993604
     """
     stored = sum(len(query_id) + len(spec) for query_id, spec in items)
-    return stored + results_bytes(len(items), hits, traced, per_hit)
+    return stored + results_bytes(len(items), hits, traced, per_hit, per_candidate)
 
 
-def results_bytes(items: int, hits: int, traced: bool, per_hit: int = HIT_BYTES) -> int:
+def results_bytes(
+    items: int,
+    hits: int,
+    traced: int = 0,
+    per_hit: int = HIT_BYTES,
+    per_candidate: int = TRACE_CANDIDATE_BYTES,
+) -> int:
     """What a batch of ``items`` (:func:`batch_bytes`'s other arguments) still owes once it is
-    stored: its items' results, written as each finishes. The job store keeps it, from the
-    job's admission until its items finish (``owed_bytes`` in ``sift:stats:jobs``), and each
-    reading of Redis's memory is judged with it (:func:`with_results_owed`).
+    stored: its items' results, written as each finishes, their traces with them. The job
+    store keeps it, from the job's admission until its items finish (``owed_bytes`` in
+    ``sift:stats:jobs``), and each reading of Redis's memory is judged with it
+    (:func:`with_results_owed`).
 
-    >>> results_bytes(1, hits=10, traced=False), results_bytes(1, hits=10, traced=True)
-    (4600, 8600)
+    >>> results_bytes(1, hits=10), results_bytes(1, hits=10, traced=30)
+    (4600, 17100)
     """
-    return items * (ITEM_BYTES + (TRACE_BYTES if traced else 0)) + hits * per_hit
+    traces = items * TRACE_BYTES + traced * per_candidate if traced else 0
+    return items * ITEM_BYTES + hits * per_hit + traces
 
 
 OwedReading = Callable[[], Awaitable[int]]  # AsyncJobStore.owed_bytes

@@ -46,13 +46,17 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from pydantic import Field, TypeAdapter, ValidationError
 
+from api_gateway.backpressure import traced_candidates
 from api_gateway.schemas import BatchQueryIn, BatchRequest
 from worker.constants import MAX_BATCH_QUERIES
 from worker.contract import SearchSpec
 from worker.errors import InvalidRequest
 from worker.jsonl import TWICE, Loc, Members
+from worker.settings import Settings
 
 VALIDATE_CHUNK = 1_000  # queries per pydantic call: a few milliseconds each
+#: The rerank window of a query that sets none, by default (SIFT_RERANK_CANDIDATE_LIMIT's)
+DEFAULT_WINDOW: int = Settings.model_fields["rerank_candidate_limit"].default
 BATCH_BODY: dict[str, Any] = {
     "requestBody": {
         "required": True,
@@ -72,13 +76,15 @@ class BatchHead(BatchRequest):
 @dataclass(frozen=True, slots=True)
 class ParsedBatch:
     """A valid batch body: its fields, each query's id and ``SearchSpec`` JSON in order,
-    its fingerprint (``""`` unless asked for), and the most hits its results hold (the sum of
-    its queries' limits: what it will take of the job store, :func:`batch_bytes`)."""
+    its fingerprint (``""`` unless asked for), the most hits its results hold (the sum of
+    its queries' limits) and the candidates their traces list (:func:`traced_candidates`):
+    what it will take of the job store, :func:`batch_bytes`."""
 
     head: BatchHead
     items: list[tuple[str, str]]
     fingerprint: str
     hits: int = 0
+    traced: int = 0
 
 
 def read_as_json(content_type: str | None) -> bool:
@@ -102,12 +108,18 @@ def read_as_json(content_type: str | None) -> bool:
 
 
 def parse_batch(
-    raw: bytes, route: str | None = None, *, rerank_default: bool | None = None
+    raw: bytes,
+    route: str | None = None,
+    *,
+    rerank_default: bool | None = None,
+    window: int = DEFAULT_WINDOW,
 ) -> ParsedBatch:
     """A ``POST /v1/batches`` body, validated as ``BatchRequest`` a slice of
     :data:`VALIDATE_CHUNK` queries at a time; with ``route``, its fingerprint (of the body
     as sent). Each query's spec says ``rerank_default`` (the gateway's ``SIFT_RERANK_ENABLED``)
-    where the batch leaves ``rerank`` out, so the worker never decides it. Raises
+    where the batch leaves ``rerank`` out, so the worker never decides it; ``window`` is the
+    rerank window of one that sets no ``candidate_limit`` (``SIFT_RERANK_CANDIDATE_LIMIT``),
+    for the candidates its trace lists. Raises
     :class:`RequestValidationError` as FastAPI would, then :class:`InvalidRequest` for a
     member given twice or an integer too long to read (first), or a repeated query id.
 
@@ -128,7 +140,7 @@ def parse_batch(
         raise RequestValidationError(errors, body=data)
     assert isinstance(queries, list)
     items: list[tuple[str, str]] = []
-    hits = 0
+    hits = traced = 0
     first_seen: dict[str, int] = {}
     repeated: InvalidRequest | None = None
     digest = _Fingerprint(route, head) if route and head else None
@@ -149,6 +161,7 @@ def parse_batch(
             first_seen.setdefault(query.id, i)
             spec = _spec(head, query, rerank_default)
             hits += spec.limit
+            traced += traced_candidates(spec, window)
             items.append((query.id, spec.model_dump_json()))
         if digest is not None:
             digest.add(part)
@@ -157,7 +170,7 @@ def parse_batch(
     if repeated is not None:
         raise repeated
     assert head is not None
-    return ParsedBatch(head, items, digest.hexdigest() if digest else "", hits)
+    return ParsedBatch(head, items, digest.hexdigest() if digest else "", hits, traced)
 
 
 def json_text(raw: bytes) -> str:

@@ -51,7 +51,7 @@ def worker_prompt(fused: list) -> RerankPrompt:  # type: ignore[type-arg]
 def stage(fused: list) -> int:  # type: ignore[type-arg]
     prompt = worker_prompt(fused)
     kept = normalise_positions([7, 3, 3, 0, 31, 12, 1, 2, 9, 4, 5, 6, 8], len(fused), 10).kept
-    trace = _trace_candidates(fused, prompt)
+    trace = _trace_candidates(fused, prompt, 1200)
     hits = [_hit(fused[p - 1], final) for final, p in enumerate(kept, start=1)]
     return len(prompt.user) + len(trace) + len(hits)
 

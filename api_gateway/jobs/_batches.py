@@ -144,6 +144,7 @@ async def create_batch(
         raw,
         route if idempotency_key else None,
         rerank_default=settings.rerank_enabled,
+        window=settings.rerank_candidate_limit,
     )
     body, items = parsed.head, parsed.items
     rerank = _rerank_of(settings, body.rerank)  # as each item's spec says it
@@ -167,7 +168,7 @@ async def create_batch(
                 parsed.head.index,
                 parsed.items,
                 parsed.hits,
-                parsed.head.include_trace,
+                parsed.traced,
                 f"this batch of {len(parsed.items)} queries",
             )
             async with _admitted(request, total, adding, what):  # the whole batch, or none

@@ -7,6 +7,7 @@ import logging
 
 from fastapi import Request, Response
 
+from api_gateway.backpressure import traced_candidates
 from api_gateway.deps import (
     ERRORS,
     REPLAYED_HEADER,
@@ -122,7 +123,7 @@ async def create_search(
                 body.index,
                 [("", spec.model_dump_json())],
                 body.limit,
-                body.include_trace,
+                traced_candidates(spec, settings.rerank_candidate_limit),
                 "this search",
             )
             async with _admitted(request, 1, adding, what, field="limit"):

@@ -26,8 +26,16 @@ from api_gateway.backpressure import (
     batch_bytes,
     hit_bytes,
     results_bytes,
+    trace_candidate_bytes,
 )
-from api_gateway.deps import async_job_store, is_id, job_store, off_loop, task_sender
+from api_gateway.deps import (
+    app_settings,
+    async_job_store,
+    is_id,
+    job_store,
+    off_loop,
+    task_sender,
+)
 from api_gateway.errors import (
     UNAVAILABLE_RETRY_AFTER,
     UNAVAILABLE_RETRY_AFTER_SECONDS,
@@ -162,31 +170,36 @@ async def results_size(
     index: str,
     items: list[tuple[str, str]],
     hits: int,
-    traced: bool,
+    traced: int,
     what: str,
 ) -> tuple[int, int, str]:
     """What a search or batch will add to the job store with its results (:func:`batch_bytes`
     of its ``items``, a search one), each of its ``hits`` priced by its index's mean
-    document as the workers recorded it (:func:`hit_bytes`; one read of Redis); of that,
-    what its results owe until its items finish (:func:`results_bytes`, which its record
-    keeps); and how a refusal names it (``what``, with the index's figures). An index of
-    ``n`` documents gives a query ``n`` hits at most, so its hits are counted up to that. A
-    Redis with no ``maxmemory`` admits by none of it: nothing is read, 0 added, and its
-    results owe what hits of the fixed size would
+    document as the workers recorded it (:func:`hit_bytes`; one read of Redis), and each of
+    the ``traced`` candidates its traces list by the same, cut to the prompt's
+    ``SIFT_RERANK_CANDIDATE_MAX_CHARS`` (:func:`trace_candidate_bytes`); of that, what its
+    results owe until its items finish (:func:`results_bytes`, which its record keeps); and
+    how a refusal names it (``what``, with the index's figures). An index of ``n``
+    documents gives a query ``n`` hits (and candidates) at most, so they are counted up to
+    that. A Redis with no ``maxmemory`` admits by none of it: nothing is read, 0 added, and
+    its results owe what hits of the fixed size would
     (:data:`~api_gateway.backpressure.HIT_BYTES`), should a ``maxmemory`` be set meanwhile."""
     memory: StoreMemory | None = getattr(request.app.state, "memory", None)
     if memory is None or not await memory.limited():
         return 0, results_bytes(len(items), hits, traced), what
     size = await async_job_store(request).index_size(tenant, index)
-    hits = hits if size is None else min(hits, len(items) * size[0])
-    per_hit = hit_bytes(size)
     if size is not None:
+        hits, traced = (min(n, len(items) * size[0]) for n in (hits, traced))
+    per_hit = hit_bytes(size)
+    per_candidate = trace_candidate_bytes(size, app_settings(request).rerank_candidate_max_chars)
+    if size is not None:
+        listed = f" and {traced} trace candidates" if traced else ""
         what += (
-            f" (up to {hits} hits over index {index!r}, whose documents hold "
+            f" (up to {hits} hits{listed} over index {index!r}, whose documents hold "
             f"{per_hit - HIT_OVERHEAD_BYTES:,} bytes on average)"
         )
-    owed = results_bytes(len(items), hits, traced, per_hit)
-    return batch_bytes(items, hits, traced, per_hit), owed, what
+    owed = results_bytes(len(items), hits, traced, per_hit, per_candidate)
+    return batch_bytes(items, hits, traced, per_hit, per_candidate), owed, what
 
 
 async def room_for_new_work(

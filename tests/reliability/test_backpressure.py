@@ -27,7 +27,7 @@ from tests.reliability.support import (
     wait_for,
 )
 from tests.services import celery_worker, gateway, redis_server
-from worker.constants import INDEX_SIZE_KEY, STATS_KEY
+from worker.constants import INDEX_SIZE_KEY, SEARCH_KEY, STATS_KEY
 
 pytestmark = pytest.mark.integration
 
@@ -293,3 +293,94 @@ def test_a_batch_s_hits_are_priced_by_what_its_index_s_documents_hold(
             dropped = client.delete("/v1/indexes/long", params={"wait": 30}, headers=ACME)
             assert dropped.status_code == 200, dropped.text
             assert not r.exists(size)
+
+
+def test_a_traced_search_is_priced_with_its_trace_s_candidates(
+    tmp_path: Path, model: FakeAnthropic
+) -> None:
+    """A trace lists every rerank candidate (up to ``candidate_limit``, 200) with its text, up
+    to what the prompt shows the model (``SIFT_RERANK_CANDIDATE_MAX_CHARS``), where
+    admission priced a trace at 4 kB whatever it listed. With the model shown whole
+    documents of 50,000 characters and Redis at 80 % of its maxmemory (2 MB to the 90 %),
+    one traced search of 1 hit and 50 candidates writes about 2.5 MB: it is refused as the
+    same search of 50 hits is (found by review rev23b: priced 54.8 kB, stored 2.56 MB; a
+    batch of 40 such items priced 2.2 MB with 10 MB of room filled Redis, its items'
+    finishes refused OutOfMemoryError), and the same search untraced is taken."""
+    with redis_server(tmp_path / "redis") as base, redis.Redis.from_url(base + "/0") as r:
+        url = base + "/0"
+        env = stack_env(url, model.url, SIFT_RERANK_CANDIDATE_MAX_CHARS="50000")
+        with (
+            gateway(tmp_path / "g", env) as gw,
+            httpx.Client(base_url=gw, timeout=90) as client,
+            celery_worker(tmp_path / "w", env, "w1"),
+        ):
+            _documents("long", "chess kasparov opening " + "x" * 49_977, 50, client)
+            limit = 20_000_000
+            used = int(r.info("memory")["used_memory"])
+            r.setrange("ballast", int(0.8 * limit) - used, b"x")  # grown in place
+            r.config_set("maxmemory", limit)
+            time.sleep(READ_EVERY_SECONDS)  # the gateway's next request reads it again
+            body = {
+                "index": "long",
+                "query": "chess kasparov",
+                "limit": 1,
+                "rerank": True,
+                "include_trace": True,
+                "candidate_limit": 50,
+            }
+            traced = client.post("/v1/searches", json=body, headers=ACME)
+            assert traced.status_code == 503, traced.text
+            error = traced.json()["error"]
+            assert error["type"] == "job_store_full", error
+            assert "up to 1 hits and 50 trace candidates over index 'long'" in error["message"]
+            untraced = client.post(
+                "/v1/searches", json={**body, "include_trace": False}, headers=ACME
+            )
+            assert untraced.status_code == 202, untraced.text  # its 1 hit fits the room
+
+
+def test_a_trace_holds_the_text_its_model_was_shown_within_its_search_s_price(
+    tmp_path: Path, model: FakeAnthropic
+) -> None:
+    """A trace listed each candidate's document whole, 200 candidates of up to 100,000
+    characters: a traced search over long documents wrote 47 times what its admission priced
+    (review rev23b). A candidate's text is cut where the prompt cuts it for the model
+    (``SIFT_RERANK_CANDIDATE_MAX_CHARS``, 1,200 by default), and the trace is priced with its
+    candidates: a traced search of 1 hit and 50 candidates over documents of 50,000
+    characters stores no more than its admission priced (kept in its record as
+    ``owed_bytes``), each of its trace's candidates the head of its document."""
+    with redis_server(tmp_path / "redis") as base, redis.Redis.from_url(base + "/0") as r:
+        url = base + "/0"
+        env = stack_env(url, model.url)
+        with (
+            gateway(tmp_path / "g", env) as gw,
+            httpx.Client(base_url=gw, timeout=90) as client,
+            celery_worker(tmp_path / "w", env, "w1"),
+        ):
+            text = "chess kasparov opening " + "x" * 49_977
+            _documents("long", text, 50, client)
+            r.config_set("maxmemory", 1 << 30)  # admission prices each job by its index
+            time.sleep(READ_EVERY_SECONDS)  # the gateway's next request reads it again
+            body = {
+                "index": "long",
+                "query": "chess kasparov",
+                "limit": 1,
+                "rerank": True,
+                "include_trace": True,
+                "candidate_limit": 50,
+            }
+            made = client.post("/v1/searches", json=body, params={"wait": 30}, headers=ACME)
+            assert made.status_code == 200, made.text
+            search = made.json()
+            assert search["status"] == "succeeded", search
+            record = SEARCH_KEY + search["id"]
+            priced = int(r.hget(record, "owed_bytes") or 0)
+            stored = int(r.hstrlen(record, "result"))
+            assert 0 < stored <= priced, (stored, priced)  # 123 kB for 125 kB priced
+            trace = search["result"]["trace"]
+            assert len(trace["candidates"]) == 50
+            for candidate in trace["candidates"]:
+                assert candidate["text"] == text[:1_200], candidate["text"][:40]
+                assert candidate["truncated"] is True
+            assert trace["candidate_max_chars"] == 1_200
+            assert search["result"]["hits"][0]["text"] == text  # the hit's, whole

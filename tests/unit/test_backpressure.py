@@ -183,11 +183,11 @@ def test_a_batch_larger_than_the_share_new_jobs_may_fill_is_refused_for_good() -
 
 
 def test_a_batch_s_bytes_grow_with_its_specs_its_hits_and_its_traces() -> None:
-    one = batch_bytes([("q1", "{}")], hits=10, traced=False)
-    assert batch_bytes([("q1", "{}" + "x" * 100)], hits=10, traced=False) == one + 100
-    assert batch_bytes([("q1", "{}")], hits=100, traced=False) > 5 * one
-    assert batch_bytes([("q1", "{}")], hits=10, traced=True) > 1.5 * one
-    assert batch_bytes([("q1", "{}"), ("q2", "{}")], hits=20, traced=False) == 2 * one
+    one = batch_bytes([("q1", "{}")], hits=10)
+    assert batch_bytes([("q1", "{}" + "x" * 100)], hits=10) == one + 100
+    assert batch_bytes([("q1", "{}")], hits=100) > 5 * one
+    assert batch_bytes([("q1", "{}")], hits=10, traced=10) > 1.5 * one
+    assert batch_bytes([("q1", "{}"), ("q2", "{}")], hits=20) == 2 * one
 
 
 def test_a_hit_is_priced_by_its_index_s_mean_document_or_the_fixed_size_when_unknown() -> None:
@@ -197,8 +197,8 @@ def test_a_hit_is_priced_by_its_index_s_mean_document_or_the_fixed_size_when_unk
     assert hit_bytes((0, 0)) == HIT_BYTES  # no document recorded: nothing to measure
     assert hit_bytes((100, 9_900_000)) == HIT_OVERHEAD_BYTES + 99_000
     assert hit_bytes((3, 10)) == HIT_OVERHEAD_BYTES + 4  # rounded up
-    long = batch_bytes([("q1", "{}")], hits=100, traced=False, per_hit=hit_bytes((1, 99_000)))
-    assert long > 9_900_000 > 100 * batch_bytes([("q1", "{}")], hits=100, traced=False)
+    long = batch_bytes([("q1", "{}")], hits=100, per_hit=hit_bytes((1, 99_000)))
+    assert long > 9_900_000 > 100 * batch_bytes([("q1", "{}")], hits=100)
 
 
 def test_a_search_or_batch_is_priced_only_when_redis_has_a_maxmemory() -> None:
@@ -218,19 +218,20 @@ def test_a_search_or_batch_is_priced_only_when_redis_has_a_maxmemory() -> None:
         async def read() -> tuple[int, int]:
             return 0, limit
 
-        state = SimpleNamespace(memory=StoreMemory(read), async_store=store)
+        settings = SimpleNamespace(rerank_candidate_max_chars=1_200)
+        state = SimpleNamespace(memory=StoreMemory(read), async_store=store, settings=settings)
         return SimpleNamespace(app=SimpleNamespace(state=state))
 
     async def scenario() -> None:
         unlimited, limited = Store(), Store()
-        args = ("acme", "docs", [("", "{}")], 10, False, "this search")
-        owed = results_bytes(1, 10, False)
+        args = ("acme", "docs", [("", "{}")], 10, 0, "this search")
+        owed = results_bytes(1, 10)
         assert await results_size(request(0, unlimited), *args) == (0, owed, "this search")
         assert unlimited.sizes_read == 0
         adding, owed, what = await results_size(request(1 << 30, limited), *args)
         assert limited.sizes_read == 1
-        assert adding == batch_bytes([("", "{}")], 10, False, hit_bytes((10, 99_000)))
-        assert owed == results_bytes(1, 10, False, hit_bytes((10, 99_000))) == adding - 2
+        assert adding == batch_bytes([("", "{}")], 10, per_hit=hit_bytes((10, 99_000)))
+        assert owed == results_bytes(1, 10, per_hit=hit_bytes((10, 99_000))) == adding - 2
         assert "index 'docs'" in what
 
     asyncio.run(scenario())

@@ -191,3 +191,19 @@ def test_each_item_carries_the_gateways_rerank_default_where_the_batch_leaves_it
         specs = [SearchSpec.model_validate_json(spec) for _, spec in parsed.items]
         assert [s.rerank for s in specs] == [default if asked is None else asked] * 3
         assert parsed.fingerprint == parse_batch(raw, route).fingerprint
+
+
+def test_a_batch_counts_the_candidates_its_traces_list() -> None:
+    """A trace lists a reranked query's coarse window (its ``limit``, or the batch's
+    ``candidate_limit``, else the deployment's, if larger), an unranked one's hits: what
+    admission prices the traces by (a trace was 4 kB whatever it listed)."""
+
+    def traced(**head: object) -> int:
+        queries = [{"id": "a", "query": "q", "limit": 5}, {"id": "b", "query": "q", "limit": 40}]
+        body = {"index": "docs", "queries": queries, "include_trace": True, **head}
+        return parse_batch(json.dumps(body).encode(), window=30).traced
+
+    assert traced(rerank=True) == 30 + 40
+    assert traced(rerank=True, candidate_limit=50) == 50 + 50
+    assert traced(rerank=False) == 5 + 40
+    assert traced(rerank=True, include_trace=False) == 0

@@ -101,6 +101,26 @@ def test_a_prepared_search_survives_its_json_form() -> None:
     assert again.spec == prepared.spec
 
 
+def test_an_item_s_trace_cuts_its_candidates_texts_as_stored_now_as_the_prompt_does() -> None:
+    """An economy item's trace is rebuilt from its candidates as its index holds them when it
+    finishes (an upsert may have replaced them since): their texts are cut there as the
+    prompt cuts them (``SIFT_RERANK_CANDIDATE_MAX_CHARS``), as a standard search's are, from
+    its JSON form too."""
+    pipeline, _, _ = make([], rerank_candidate_max_chars=50)
+    prepared = pipeline.prepare(SPEC, "acme")
+    again = load_prepared(pipeline, json.loads(json.dumps(dump_prepared(prepared))))
+    text = "volcano ash " * 1_000
+    stored = {
+        c.document.id: StoredDocument(c.document.id, text, c.document.title, "2")
+        for c in again.candidates
+    }
+    now = as_stored(again, stored)
+    shown = now.trace["candidates"]
+    assert len(shown) == len(again.candidates) >= 5
+    assert [c["text"] for c in shown] == [text[:50]] * len(shown)
+    assert now.candidates[0].document.text == text  # the hits', whole
+
+
 @pytest.mark.parametrize("policy", ["fail_closed", "fail_open"])
 def test_finish_applies_the_failure_policy(policy: str) -> None:
     pipeline, _, recorder = make([], policy=policy)

@@ -135,6 +135,26 @@ def test_applied_rerank_keeps_the_models_order_and_never_pads() -> None:
     assert recorder.events["outcome", "applied"] == 1 and recorder.events["attempt", "ok"] == 1
 
 
+@pytest.mark.parametrize("rerank", [True, False])
+def test_a_trace_shows_each_candidate_s_text_as_far_as_the_prompt_does(rerank: bool) -> None:
+    """A trace listed each candidate's document whole: 200 candidates of 100,000 characters
+    made one trace of 20 MB, which admission priced at 4 kB (review rev23b). A candidate's
+    text is cut where the prompt cuts it for the model (``SIFT_RERANK_CANDIDATE_MAX_CHARS``),
+    the search reranked or not; its hits carry their texts whole."""
+    pipeline, _, _ = make([reply([2, 1])], rerank_candidate_max_chars=50)
+    text = "volcano ash eruption " * 100
+    documents = [DocumentIn(id=f"d{i}", title="t", text=text) for i in range(8)]
+    Runtime(pipeline).ingest("long", "acme", documents)
+    result = pipeline.search(spec(index="long", include_trace=True, rerank=rerank), "acme")
+    assert result.trace is not None
+    candidates = result.trace["candidates"]
+    assert len(candidates) == (8 if rerank else 5)  # the index's 8 for the model, or 5 hits
+    assert [c["text"] for c in candidates] == [text[:50]] * len(candidates)
+    assert [c["truncated"] for c in candidates] == [rerank] * len(candidates)  # by the prompt
+    assert result.trace["candidate_max_chars"] == 50
+    assert result.hits and all(hit.text == text for hit in result.hits)
+
+
 def test_before_model_runs_just_before_the_model_call_and_can_stop_the_search() -> None:
     pipeline, reranker, recorder = make([reply([1])])
     checks: list[int] = []

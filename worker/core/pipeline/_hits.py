@@ -73,15 +73,27 @@ def _hit(candidate: Candidate, final: int) -> dict[str, Any]:
 
 
 def _trace_candidates(
-    candidates: Sequence[Candidate], prompt: RerankPrompt | None
+    candidates: Sequence[Candidate], prompt: RerankPrompt | None, max_chars: int
 ) -> list[dict[str, Any]]:
+    """The trace's candidates: each one's ids, ranks and scores, and its title and text, the
+    text cut to its first ``max_chars`` characters (``SIFT_RERANK_CANDIDATE_MAX_CHARS``, the
+    most of it the prompt shows the model: ``truncated`` says whether the prompt cut the
+    candidate's line; its hit carries the text whole). Whole, the texts of 200 candidates
+    of 100,000 characters made one trace of 20 MB, which admission cannot foresee.
+
+    >>> from worker.core.types import Document
+    >>> doc = Document("a", "word " * 1_000, "Tea", revision="1")
+    >>> [shown] = _trace_candidates([Candidate(doc, 1, 0.1, {}, {})], None, 12)
+    >>> shown["title"], shown["text"], shown["truncated"]
+    ('Tea', 'word word wo', False)
+    """
     return [
         {
             "position": candidate.rrf_rank,
             "id": candidate.document.id,
             "revision": candidate.document.revision,
             "title": candidate.document.title,
-            "text": candidate.document.text,
+            "text": candidate.document.text[:max_chars],
             "rrf": {"rank": candidate.rrf_rank, "score": candidate.rrf_score},
             "channels": {
                 channel: {"rank": rank, "score": candidate.channel_scores[channel]}

@@ -69,7 +69,8 @@ def as_stored(prepared: Prepared, stored: Mapping[str, StoredDocument]) -> Prepa
     if gone:
         trace["deleted_since_retrieval"] = sorted(gone)
     if "candidates" in trace:
-        shown = _trace_candidates(candidates, prepared.prompt)
+        chars = int(trace["candidate_max_chars"])
+        shown = _trace_candidates(candidates, prepared.prompt, chars)
         trace["candidates"] = [c for c in shown if c["id"] not in gone]
     return replace(prepared, candidates=candidates, trace=trace, gone=gone)
 
@@ -146,8 +147,10 @@ def load_prepared(pipeline: SearchPipeline, data: Mapping[str, Any]) -> Prepared
     ]
     trace = dict(data["trace"])
     prompt = pipeline.build_prompt(str(trace["query"]), spec, candidates)
+    # the cut of the prompt just built (an item prepared by an earlier release has none)
+    trace["candidate_max_chars"] = chars = pipeline.config.candidate_max_chars
     if spec.include_trace:
-        trace["candidates"] = _trace_candidates(candidates, prompt)
+        trace["candidates"] = _trace_candidates(candidates, prompt, chars)
     policy = str(data.get("policy") or trace.get("policy") or POLICY_ID)
     seconds = float(data["seconds"])
     return Prepared(spec, candidates, trace, prompt=prompt, seconds=seconds, policy=policy)

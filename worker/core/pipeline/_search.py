@@ -392,16 +392,17 @@ class SearchPipeline:
         retrieval = self._retrieval(held, answers)
         candidates, trace = retrieval.run(spec, tenant, query, reranking, deadline, figures)
         trace["slot_wait_seconds"] = max(0.0, slot_wait) + deadline.left_out
+        trace["candidate_max_chars"] = chars = self.config.candidate_max_chars
 
         if not reranking or not candidates:
             info = RerankInfo(applied=False, policy=None, fallback_reason=None)
             if spec.include_trace:
-                trace["candidates"] = _trace_candidates(candidates, None)
+                trace["candidates"] = _trace_candidates(candidates, None, chars)
             result = build_result(candidates[: spec.limit], info, Usage(), spec, trace)
             return Prepared(spec, candidates, trace, result=result, skipped=reranking)
         if self.reranker is None:
             if spec.include_trace:
-                trace["candidates"] = _trace_candidates(candidates, None)
+                trace["candidates"] = _trace_candidates(candidates, None, chars)
             result = no_model_result(
                 spec,
                 candidates,
@@ -413,7 +414,7 @@ class SearchPipeline:
             return Prepared(spec, candidates, trace, result=result)
         prompt = self.build_prompt(query, spec, candidates)
         if spec.include_trace:  # a dict per candidate: built only for a trace that is shown
-            trace["candidates"] = _trace_candidates(candidates, prompt)
+            trace["candidates"] = _trace_candidates(candidates, prompt, chars)
         trace["model"] = self.reranker.model
         trace["effort"] = self.reranker.effort  # as sent: None when the model takes none
         return Prepared(spec, candidates, trace, prompt=prompt)
