@@ -17,9 +17,12 @@ still write their ends. A batch, or a search as a batch of one, is judged with w
 add (:func:`batch_bytes`, its items and their results, each hit priced by its index's mean
 document, :func:`hit_bytes`, and each candidate its traces list by the same, cut where a
 trace cuts its text, :func:`trace_candidate_bytes`), so one admitted below 90 % does not
-fill Redis on its own; and what Redis holds is read with the results the work queued or
-running still owes, each job's as it was priced when admitted (:func:`with_results_owed`),
-so batches admitted one after another do not fill it together.
+fill Redis on its own as a rule: the price is an estimate, which errs low where the results
+hold more than the index's mean (a skewed index's longest documents, a text JSON escapes,
+a trace's candidates of several bytes a character; docs/queue.md, ``job_store_full``). And
+what Redis holds is read with the results the work queued or running still owes, each
+job's as it was priced when admitted (:func:`with_results_owed`), so batches admitted one
+after another do not fill it together.
 """
 
 from __future__ import annotations
