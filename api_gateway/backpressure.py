@@ -302,22 +302,33 @@ def _mb(size: float) -> str:
 class StoreFull(Exception):
     """Redis holds :data:`MEMORY_ADMITTED` of its ``maxmemory`` or more, or would with the
     ``adding`` bytes of the job being judged (``what``: as its refusal names it): answer 503
-    ``job_store_full``, as at the limit itself: the job was refused before any write."""
+    ``job_store_full``, as at the limit itself: the job was refused before any write.
+    ``str()`` is the log's line, with what Redis holds; :attr:`public` is the client's,
+    without it."""
 
     def __init__(self, used: int, limit: int, adding: int = 0, what: str = "") -> None:
+        self.adding, self.what = adding, what
         held = f"Redis holds {used / limit:.0%} of its maxmemory, with the results owed"
-        if adding:
+        super().__init__(self._said(f"{held} ({_mb(limit)})"))
+
+    @property
+    def public(self) -> str:
+        """What the caller is told: its own job's size and the line, not what Redis holds.
+        That is every tenant's work, stored and owed, and with one other tenant busy it
+        was that tenant's volume, to the percent of ``maxmemory``."""
+        return self._said()
+
+    def _said(self, held: str = "") -> str:
+        line = f"new jobs are refused past {MEMORY_ADMITTED:.0%} of Redis's maxmemory"
+        if self.adding:
             said = (
-                f"the job store has no room for {what}: {held} ({_mb(limit)}), it would "
-                f"add about {_mb(adding)} with its results, and new jobs are refused "
+                f"the job store has no room for {self.what}: "
+                + (f"{held}, " if held else "")
+                + f"it would add about {_mb(self.adding)} with its results, and {line}"
             )
         else:
-            said = f"the job store is nearly full: {held}, and new jobs are refused "
-        super().__init__(
-            said
-            + f"past {MEMORY_ADMITTED:.0%} so those running can end: nothing was stored; "
-            + FREES
-        )
+            said = "the job store is nearly full: " + (f"{held}, and " if held else "") + line
+        return f"{said} so those running can end: nothing was stored; {FREES}"
 
 
 class TooLargeForStore(Exception):

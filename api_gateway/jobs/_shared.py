@@ -222,7 +222,7 @@ async def room_for_new_work(
         raise ApiError(
             503,
             ERROR_JOB_STORE_FULL,
-            str(exc),
+            exc.public,
             headers={"Retry-After": str(FULL_RETRY_AFTER_SECONDS)},
         ) from exc
 

@@ -9,6 +9,8 @@ the first did nothing."""
 
 from __future__ import annotations
 
+import logging
+import re
 import time
 from collections.abc import Iterator
 
@@ -142,6 +144,7 @@ def test_new_jobs_are_refused_before_the_job_store_is_full_so_running_ones_can_e
         message = error["message"]
         assert "past 90%" in message and "maxmemory" in message, message
         assert "nothing was stored" in message and response.headers["retry-after"], message
+        assert "Redis holds" not in message, message  # every tenant's work: the log's alone
     deleted = client.delete("/v1/indexes/docs/documents/d", headers=ACME)
     assert deleted.status_code == 202, deleted.text
     job = store.create_search("acme", SearchSpec(index="docs", query="tea"))
@@ -229,8 +232,28 @@ def test_a_batch_whose_own_results_would_fill_the_job_store_is_refused_whole(
     assert "no retry admits it" in error["message"], error
 
 
+def test_a_refusal_tells_the_tenant_nothing_of_what_redis_holds(
+    client: TestClient, store: JobStore, four_fifths_full: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What Redis holds, with the results owed, is every tenant's work, and a ``503
+    job_store_full`` said it ("Redis holds 80% of its maxmemory, with the results owed (25.0
+    MB)"): with one other tenant busy, the caller read that tenant's volume in it, as the
+    backlog's 429 no longer lets it. The refusal names what the caller's own job would add
+    and the 90 % line; what Redis holds goes to the log, for the operator."""
+    room = int(0.1 * four_fifths_full)
+    caplog.set_level(logging.WARNING, logger="api_gateway")
+    refused = client.post("/v1/batches", json=_batch_of(room // 1_000, "big"), headers=ACME)
+    assert refused.status_code == 503, refused.text
+    message = refused.json()["error"]["message"]
+    assert "Redis holds" not in message and "owed" not in message, message
+    assert "this batch of" in message and "it would add about" in message, message
+    assert "past 90% of Redis's maxmemory" in message, message
+    logged = re.search(r"Redis holds (\d+)% of its maxmemory, with the results owed", caplog.text)
+    assert logged and 79 <= int(logged[1]) < 90, caplog.text
+
+
 def test_the_results_owed_to_batches_admitted_before_count_against_the_next(
-    client: TestClient, store: JobStore, four_fifths_full: int
+    client: TestClient, store: JobStore, four_fifths_full: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Each batch was judged with its own results, but those of the batches admitted before
     it were forgotten at the next reading of Redis's memory (0.5 s later), which holds their
@@ -245,11 +268,11 @@ def test_the_results_owed_to_batches_admitted_before_count_against_the_next(
     second = client.post("/v1/batches", json=_batch_of(each, "two"), headers=ACME)
     assert second.status_code == 503, second.text
     assert second.json()["error"]["type"] == "job_store_full", second.text
-    assert "with the results owed" in second.json()["error"]["message"], second.text
+    assert "with the results owed" in caplog.text, caplog.text  # the log's, not the tenant's
 
 
 def test_the_results_owed_to_batches_over_long_documents_count_as_they_were_priced(
-    client: TestClient, store: JobStore, four_fifths_full: int
+    client: TestClient, store: JobStore, four_fifths_full: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     """What the work admitted before still owes was counted at 4.6 kB an item, whatever its
     index, where a batch is priced by its index's mean document: batches over long documents
@@ -270,7 +293,7 @@ def test_the_results_owed_to_batches_over_long_documents_count_as_they_were_pric
     assert second.status_code == 503, second.text
     error = second.json()["error"]
     assert error["type"] == "job_store_full", error
-    assert "with the results owed" in error["message"] and "index 'long'" in error["message"]
+    assert "index 'long'" in error["message"] and "with the results owed" in caplog.text
     assert sorted(store.redis.keys()) == keys
     assert store.redis.hget(STATS_KEY, "owed_bytes") == owed
     canceled = client.delete(f"/v1/batches/{first.json()['id']}", headers=ACME)
