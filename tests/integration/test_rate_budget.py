@@ -692,6 +692,37 @@ def test_a_wait_on_the_breaker_after_a_5xx_is_not_the_retry_s_own_time(
     assert calls == 2 and waited == pytest.approx(retry["budget_wait_seconds"])
 
 
+def test_a_retry_the_budget_cannot_serve_after_a_429_shows_the_429_s_back_off(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    """A 429 (``retry-after: 1``), then the retry's reservation cannot be served within the
+    deadline (rpm 1: the first call took the bucket's one request): its ``budget_exhausted``
+    entry shows the second it backed off, as an answered retry's does, and the stage's
+    seconds are the attempts' times and back-offs (nothing waited for the budget). Before,
+    the entry showed 0: the back-off was taken off the run before the budget's wait, whose
+    refusal then read it, and the 429's second was in the stage's seconds and no attempt."""
+    clock = FakeClock()
+
+    def sleep(seconds: float) -> None:  # slept for real too: the pause is on Redis's clock
+        clock.sleep(seconds)
+        time.sleep(seconds)
+
+    pipeline, _ = build(
+        fake, client, "fail_open", RateLimit(rpm=1), RecordingRecorder(),
+        deadline=10.0, clock=clock, sleep=sleep,
+    )  # fmt: skip
+    fake.script([fa.status(429, retry_after=1), fa.good()])
+    result = search(pipeline)
+    assert len(fake.requests()) == 1
+    first, retry = result.trace["attempts"]
+    assert first["outcome"] == "rate_limited" and retry["outcome"] == "budget_exhausted"
+    assert clock.sleeps == [1.0]  # the 429's second, and no wait for the budget
+    assert first["backoff_wait_seconds"] == 0.0
+    assert retry["backoff_wait_seconds"] == 1.0
+    shown = sum(a["seconds"] + a["backoff_wait_seconds"] for a in result.trace["attempts"])
+    assert result.trace["rerank_seconds"] == pytest.approx(shown)
+
+
 def test_headers_of_the_provider_teach_the_budget_its_limits(
     fake: fa.FakeAnthropic, client: redis.Redis
 ) -> None:

@@ -183,8 +183,9 @@ class ModelCalls:
         paused = _paused(run)
         grant: BudgetGrant | None = None
         detail: dict[str, Any] = {"backoff_wait_seconds": run.backed_off}
-        run.backed_off = 0.0
         if self.rate_budget is not None:
+            # kept on ``run`` through the wait: a budget_exhausted entry (:meth:`_exhausted`)
+            # shows the back-off before it too
             grant, waited = self._wait_for_budget(prompt, run, deadline, check)
             if check is not None and grant.wait > 0:
                 try:
@@ -194,6 +195,7 @@ class ModelCalls:
                     raise
             timeout = min(timeout, deadline.remaining())
             detail["budget_wait_seconds"] = waited
+        run.backed_off = 0.0
         sent = self.clock()
         try:
             reply = self.reranker.rerank(prompt, timeout)
