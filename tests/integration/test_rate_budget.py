@@ -347,13 +347,15 @@ def build(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
     answered: Callable[[], None] | None = None,
+    sending: Callable[[], None] | None = None,
     **more: Any,
 ) -> tuple[SearchPipeline, RedisRateBudget]:
     """A pipeline on the fake over the real SDK, metered by a budget on ``client``'s Redis;
     ``more``: other settings. A call times out after 2 s of real time; under a test's own
     clock (whose deadline the machine's load cannot spend) after 30, so that a loaded
     machine's slow answer is not taken for a timeout and retried. ``answered`` runs as each
-    answer's headers come in (an error's too), before the budget reads them."""
+    answer's headers come in (an error's too), before the budget reads them; ``sending`` as
+    each request goes out (:func:`fake_sdk`)."""
     settings = load_settings(
         rerank_enabled=True,
         generation_model=f"anthropic:{MODEL}",
@@ -363,7 +365,6 @@ def build(
         **more,
     )
     budget = RedisRateBudget(client, MODEL, limits)
-    sdk = anthropic.Anthropic(base_url=fake.url, api_key="sk-test", max_retries=0)
 
     def on_headers(headers: Mapping[str, str]) -> None:
         if answered is not None:
@@ -374,7 +375,7 @@ def build(
         settings,
         backend=InMemoryBackend(),
         embedder=FakeEmbedder(),
-        reranker=AnthropicReranker(MODEL, client=sdk, on_headers=on_headers),
+        reranker=AnthropicReranker(MODEL, client=fake_sdk(fake, sending), on_headers=on_headers),
         recorder=recorder,
         rate_budget=budget,
         clock=clock,
@@ -386,6 +387,18 @@ def build(
         [DocumentIn(id=f"d{i}", title=f"n {i}", text=f"volcano ash {i}") for i in range(20)],
     )
     return pipeline, budget
+
+
+def fake_sdk(
+    fake: fa.FakeAnthropic, sending: Callable[[], None] | None = None
+) -> anthropic.Anthropic:
+    """The real SDK on the fake, not retrying; ``sending`` runs as each request goes out."""
+    http = None
+    if sending is not None:
+        http = anthropic.DefaultHttpxClient(event_hooks={"request": [lambda _: sending()]})
+    return anthropic.Anthropic(
+        base_url=fake.url, api_key="sk-test", max_retries=0, http_client=http
+    )
 
 
 def search(pipeline: SearchPipeline) -> Any:
@@ -1944,3 +1957,56 @@ def test_a_stop_during_the_wait_with_redis_gone_is_that_stop(
         pipeline.search(spec, "acme", stopping)
     assert fake.requests() == []
     assert unsettled() == before + 1
+
+
+@pytest.mark.parametrize(
+    ("answer", "outcome"),
+    [
+        (fa.status(429, retry_after=30), "rate_limited"),  # the cluster's pause
+        (fa.status(529), "http_5xx"),  # the breaker's trip
+        (fa.body('{"not": "a message"}'), "malformed"),  # the breaker's close
+    ],
+    ids=["429-pause", "5xx-trip", "answer-close"],
+)
+def test_a_failed_attempt_whose_breaker_or_pause_meets_redis_gone_is_counted(
+    fake: fa.FakeAnthropic,
+    gone: tuple[redis.Redis, Callable[[], None]],
+    answer: fa.Behaviour,
+    outcome: str,
+) -> None:
+    """Redis stops while the call is out, and the provider answers a 429 (the cluster's
+    pause), a 529 (the breaker opens) or a 200 that is no message (the breaker closes): that
+    write meets the connection refused past the client's retries and raises, the run left
+    for the outage's re-drive (its deadline spent on the client's retries: going on, the
+    outage was charged to the job), but the attempt is counted first: the call was made.
+    Before, the write came before the count, and the attempt was counted nowhere."""
+    client, stop_redis = gone
+    recorder = RecordingRecorder()
+    pipeline, _ = build(fake, client, "fail_open", RateLimit(rpm=60), recorder, answered=stop_redis)
+    fake.script([answer])
+    with pytest.raises(redis.ConnectionError):
+        search(pipeline)
+    assert len(fake.requests()) == 1
+    assert recorder.events["attempt", outcome] == 1
+
+
+def test_a_probe_unanswered_whose_end_meets_redis_gone_is_counted(
+    fake: fa.FakeAnthropic, gone: tuple[redis.Redis, Callable[[], None]]
+) -> None:
+    """The breaker half open, the search's call is its probe; Redis stops as it is sent, and
+    the connection drops with no answer: the probe's end (the next may go at once) meets the
+    connection refused and raises, the run left for the outage's re-drive, but the attempt
+    and its unread input are counted first. Before, neither was."""
+    client, stop_redis = gone
+    recorder = RecordingRecorder()
+    pipeline, budget = build(
+        fake, client, "fail_open", RateLimit(rpm=60), recorder, sending=stop_redis
+    )
+    budget.trip(0.001)  # open for a millisecond: the next call is the probe
+    time.sleep(0.01)
+    fake.script([fa.drop()])
+    with pytest.raises(redis.ConnectionError):
+        search(pipeline)
+    assert len(fake.requests()) == 1
+    assert recorder.events["attempt", "connection"] == 1
+    assert recorder.events["unread", MODEL] == 1  # sent, no answer read: it may be billed

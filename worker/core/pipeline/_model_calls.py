@@ -202,15 +202,18 @@ class ModelCalls:
         except RerankAttemptError as error:
             usage = getattr(error, "usage", None)
             usage = usage if isinstance(usage, TokenUsage) else None
-            if grant is not None:
-                self._settle_failed(grant, error, usage, detail["budget_wait_seconds"] + paused)
             if not error.sent:
                 detail["sent"] = False
+            # counted, and kept if billed, before the budget's bookkeeping: a 429's pause or
+            # the breaker's write that meets Redis gone raises, and the run is left for the
+            # outage's re-drive, but the call was made
             self.record_attempt(run, error.outcome, usage, self.clock() - sent, **detail)
             if error.sent and usage is None and error.outcome in NO_ANSWER and error.status is None:
                 self._count_unread(prompt, grant)
             if on_billed is not None and usage is not None:
                 on_billed(run)
+            if grant is not None:
+                self._settle_failed(grant, error, usage, detail["budget_wait_seconds"] + paused)
             raise
         if grant is not None and self.rate_budget is not None:
             self.rate_budget.sent(detail["budget_wait_seconds"] + paused)
