@@ -25,7 +25,7 @@ from api_gateway.bodies import field_of
 from api_gateway.paths import has_encoded_slash
 from worker.constants import ERROR_JOB_STORE_FULL, ERROR_UNAVAILABLE
 from worker.errors import InvalidRequest, validation_message
-from worker.redis_client import CANNOT_PERSIST, DB_OUT_OF_RANGE, cannot_persist
+from worker.redis_client import CANNOT_PERSIST, DB_OUT_OF_RANGE, acl_refused, cannot_persist
 
 log = logging.getLogger(__name__)
 
@@ -203,8 +203,8 @@ async def no_route_short_of_a_line_break(request: Request) -> None:
 def unavailable_reason(app: FastAPI, exc: Exception) -> str:
     """Why Redis failed a request, naming the setting that governs it: how long the gateway
     waits for an answer, or where it looks for Redis and how it connects (a database, the
-    credentials or the TLS handshake Redis refused). A refusal was said "could not be
-    reached" of a Redis that was up."""
+    credentials, a command its ACL refuses the user, or the TLS handshake Redis refused). A
+    refusal was said "could not be reached" of a Redis that was up."""
     if isinstance(exc, redis.TimeoutError):
         seconds = app.state.settings.gateway_redis_timeout_seconds
         return f"Redis did not answer within {seconds:g} s (SIFT_GATEWAY_REDIS_TIMEOUT_SECONDS)"
@@ -214,6 +214,12 @@ def unavailable_reason(app: FastAPI, exc: Exception) -> str:
         if not app.state.store.redis.connection_pool.connection_kwargs.get("password"):
             return "Redis requires a password, and SIFT_REDIS_URL gives none"
         return f"Redis refused the credentials of SIFT_REDIS_URL ({exc})"
+    if acl_refused(exc):
+        noperm = "NOPERM " if isinstance(exc, redis.exceptions.NoPermissionError) else ""
+        return (
+            "Redis's ACL refuses the user of SIFT_REDIS_URL a command the gateway needs "
+            f"({noperm}{exc})"
+        )
     if (handshake := _tls_failure(exc)) is not None:
         return f"the TLS handshake with Redis (SIFT_REDIS_URL) failed ({handshake})"
     return "Redis (SIFT_REDIS_URL) could not be reached"
@@ -378,13 +384,15 @@ def install_error_handlers(app: FastAPI) -> None:
         503 naming it, as an unreachable Redis is. A Redis that cannot persist to its disk
         (``MISCONF``, its AOF disk full) refuses every write, a job's MULTI whole: the
         ``job_store_full`` of its maxmemory, naming the disk (it was a 500, logged as a bug).
-        Any other refused command is a bug."""
+        A command Redis's ACL refuses the URL's user (``NOPERM``) is the URL's user's setting,
+        as a refused password is: a 503 naming it (it was a 500, logged as a bug). Any other
+        refused command is a bug."""
         if cannot_persist(exc):
             log.error(
                 "job store full on %s %s: %s", request.method, request.url.path, exc
             )  # fmt: skip
             return _answer(job_store_full(disk=True))
-        if not str(exc).startswith(DB_OUT_OF_RANGE):
+        if not (acl_refused(exc) or str(exc).startswith(DB_OUT_OF_RANGE)):
             return await _redis_bug(request, exc)
         log.error("job store unavailable on %s %s: %s", request.method, request.url.path, exc)
         return _answer(job_store_unavailable(unavailable_reason(request.app, exc)))

@@ -144,6 +144,27 @@ def cannot_persist(exc: BaseException) -> bool:
     return isinstance(exc, redis.ResponseError) and str(exc).startswith("MISCONF")
 
 
+#: How Redis 7.0 and 7.1 word a command their ACL refuses a script (``ERR``); 7.2 says NOPERM
+SCRIPT_ACL_REFUSAL = "The user executing the script "
+
+
+def acl_refused(exc: BaseException) -> bool:
+    """Whether Redis's ACL refused the URL's user a command or a key: ``NOPERM`` (redis-py's
+    NoPermissionError), or in a script, on Redis 7.0 and 7.1, an ``ERR`` in their words.
+    A deployment's setting, as a refused password is, not a bug.
+
+    >>> acl_refused(redis.exceptions.NoPermissionError("User sift has no permissions"))
+    True
+    >>> acl_refused(redis.ResponseError("The user executing the script can't run this command"))
+    True
+    >>> acl_refused(redis.ResponseError("WRONGTYPE Operation against a key"))
+    False
+    """
+    return isinstance(exc, redis.exceptions.NoPermissionError) or (
+        isinstance(exc, redis.ResponseError) and str(exc).startswith(SCRIPT_ACL_REFUSAL)
+    )
+
+
 def refused_database(url: str) -> str | None:
     """Redis's refusal of the connection ``url`` describes: of its database (``DB index is
     out of range``, past the server's ``databases``; SELECT in cluster mode; an ACL's

@@ -341,3 +341,51 @@ def test_a_password_redis_refuses_is_a_503_naming_the_refusal(
         assert answer.status_code == 503 and answer.json()["error"]["type"] == "unavailable"
         message = answer.json()["error"]["message"]
         assert refusal in message and "could not be reached" not in message, message
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("rules", "refusal"),
+    [
+        # the scripts both requests run, refused as commands: NOPERM
+        (["-evalsha", "-eval"], "NOPERM this user has no permissions to run the 'evalsha'"),
+        # the commands in those scripts: Redis 7.0 and 7.1 say so in words of their own
+        (["-@read", "-@write"], "the script"),
+    ],
+    ids=["scripts", "commands-in-scripts"],
+)
+def test_a_command_redis_acl_refuses_is_a_503_naming_the_acl(
+    tmp_path: Path, rules: list[str], refusal: str
+) -> None:
+    """The URL's ACL user loses commands requests need once the gateway runs (its start
+    checks would refuse it first): a search's submit (the asyncio store) and a read (the
+    thread-pool store) are the 503 naming the ACL and Redis's refusal, a deployment's
+    setting as a refused password is, logged as one line. They were 500s, logged as the
+    gateway's bug with a traceback."""
+    server = RestartableRedis(tmp_path / "redis")
+    server.start()
+    admin = redis.Redis.from_url(server.url)
+    try:
+        admin.execute_command("ACL", "SETUSER", "sift", "on", ">pw", "~*", "&*", "+@all")
+        url = server.url.replace("//", "//sift:pw@") + "/0"
+        env = {"SIFT_REDIS_URL": url, "SIFT_API_KEYS": json.dumps(KEYS)}
+        with (
+            gateway(tmp_path / "g", env) as base,
+            httpx.Client(base_url=base, timeout=30) as client,
+        ):
+            admin.execute_command("ACL", "SETUSER", "sift", *rules)
+            answers = [
+                client.post("/v1/searches", json=_search(), headers=ACME),
+                client.get("/v1/searches/srch_0123456789abcdef0123456789abcdef", headers=ACME),
+            ]
+        log = (tmp_path / "g" / "gateway.log").read_text()
+    finally:
+        admin.close()
+        server.close()
+    for answer in answers:
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["error"]["type"] == "unavailable", answer.text
+        message = answer.json()["error"]["message"]
+        assert "Redis's ACL refuses the user of SIFT_REDIS_URL a command" in message, message
+        assert refusal in message, message
+    assert "Traceback" not in log, log
