@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Iterator
 
@@ -175,6 +176,22 @@ TRACE_CANDIDATE_OVERHEAD_BYTES = 250
 #: What one candidate of a trace takes when its index's documents are not known (as
 #: :data:`HIT_BYTES`: the sample corpus's text, some 100 characters)
 TRACE_CANDIDATE_BYTES = TRACE_CANDIDATE_OVERHEAD_BYTES + HIT_BYTES - HIT_OVERHEAD_BYTES
+#: What Redis holds for a result, to its JSON's bytes. A result is the value of a hash's
+#: field (a batch's results hash, a search's record), past ``hash-max-listpack-value`` (64 B):
+#: the hash is a hashtable, each value an allocation of its own in jemalloc's next size class
+#: up, four classes to each doubling, so up to a quarter more than its bytes (and some 60 B
+#: beside it, its field and entry: within ITEM_BYTES). Measured on redis-server 7.0.15
+#: (jemalloc 5.3.0), values written as a worker's finish script writes them (``MEMORY USAGE
+#: ... SAMPLES 0``): 2**k + 1 bytes held 1.25 times from 8 kB to 2 MB; hashes of 1 to 40
+#: values of 2 kB to 2 MB (log-uniform) 1.10 times at the median, 1.22 at the 95th
+#: percentile, 1.35 at most (one value of 2 kB, with its hash's own 200 B). So the bound is
+#: priced, not the mean: a batch of 12 results of 363 kB, priced at their JSON (4.37 MB),
+#: held 4.72 MB in its results hash and 5.1 MB of Redis in all; taken at 89.5 % of
+#: maxmemory it left Redis at 90.6 %, and reached its limit on the way (a finish refused).
+#: Each value also passes through a buffer of its size on its writer's connection, freed by
+#: Redis's cron within a second (1.1 MB for that batch's 12 at its end): not priced, the
+#: 10 % above MEMORY_ADMITTED is for that.
+STORED_FACTOR = 1.25
 
 
 def hit_bytes(size: tuple[int, int] | None) -> int:
@@ -245,9 +262,9 @@ def batch_bytes(
     documents, which are priced at their index's mean.
 
     >>> batch_bytes([("q1", "{}")], hits=10)
-    4604
+    5754
     >>> batch_bytes([("q1", "{}")], hits=10, per_hit=99_320)
-    993604
+    1242004
     """
     stored = sum(len(query_id) + len(spec) for query_id, spec in items)
     return stored + results_bytes(len(items), hits, traced, per_hit, per_candidate)
@@ -266,11 +283,15 @@ def results_bytes(
     ``sift:stats:jobs``), and each reading of Redis's memory is judged with it
     (:func:`with_results_owed`).
 
+    Priced as Redis holds them, :data:`STORED_FACTOR` times their JSON (a result of 10 hits,
+    4.6 kB of JSON; 17.1 kB with a trace of 30 candidates):
+
     >>> results_bytes(1, hits=10), results_bytes(1, hits=10, traced=30)
-    (4600, 17100)
+    (5750, 21375)
     """
     traces = items * TRACE_BYTES + traced * per_candidate if traced else 0
-    return items * ITEM_BYTES + hits * per_hit + traces
+    stored = items * ITEM_BYTES + hits * per_hit + traces
+    return math.ceil(stored * STORED_FACTOR)
 
 
 OwedReading = Callable[[], Awaitable[int]]  # AsyncJobStore.owed_bytes

@@ -210,7 +210,7 @@ def test_a_batch_whose_own_results_would_fill_the_job_store_is_refused_whole(
     90 % is a 422 naming its queries: no retry admits it."""
     limit = four_fifths_full
     room = int(0.1 * limit)  # from 80 % to the 90 % new jobs are refused past
-    # some 4.6 kB an item of 10 hits: more than the room, and a tenth of it
+    # some 5.75 kB an item of 10 hits: more than the room, and an eighth of it
     too_large, fits = room // 1_000, room // 46_000
     keys = sorted(store.redis.keys())
     refused = client.post("/v1/batches", json=_batch_of(too_large, "big"), headers=ACME)
@@ -261,7 +261,7 @@ def test_the_results_owed_to_batches_admitted_before_count_against_the_next(
     passed, and together filled Redis. The items queued or running are counted with what
     they owe: of two batches that each fit the room left, the second, sent after a new
     reading, is refused."""
-    each = int(0.06 * four_fifths_full) // 4_600  # six hundredths of maxmemory: one fits
+    each = int(0.06 * four_fifths_full) // 5_750  # six hundredths of maxmemory: one fits
     first = client.post("/v1/batches", json=_batch_of(each, "one"), headers=ACME)
     assert first.status_code == 202, first.text
     time.sleep(READ_EVERY_SECONDS + 0.2)  # the memory read again: not a speed check

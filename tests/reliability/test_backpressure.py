@@ -14,7 +14,7 @@ import httpx
 import pytest
 import redis
 
-from api_gateway.backpressure import READ_EVERY_SECONDS
+from api_gateway.backpressure import READ_EVERY_SECONDS, hit_bytes, results_bytes
 from tests.fake_anthropic import FakeAnthropic
 from tests.reliability.support import (
     ACME,
@@ -183,7 +183,8 @@ def test_a_batch_that_would_fill_redis_is_refused_and_one_that_fits_ends(
             r.setrange("ballast", int(0.8 * limit) - used, b"x")  # grown in place
             r.config_set("maxmemory", limit)
             time.sleep(READ_EVERY_SECONDS)  # the gateway's next request reads it again
-            # some 4.6 kB an item of 10 hits with its result: twice the room to 90 %, a fifth
+            # some 5.75 kB an item of 10 hits with its result: 430, more than twice the room
+            # to 90 % (1 MB); 40, under a quarter of it
             refused = client.post("/v1/batches", json=_batch(430, "big"), headers=ACME)
             assert refused.status_code == 503, refused.text
             error = refused.json()["error"]
@@ -376,7 +377,7 @@ def test_a_trace_holds_the_text_its_model_was_shown_within_its_search_s_price(
             record = SEARCH_KEY + search["id"]
             priced = int(r.hget(record, "owed_bytes") or 0)
             stored = int(r.hstrlen(record, "result"))
-            assert 0 < stored <= priced, (stored, priced)  # 123 kB for 125 kB priced
+            assert 0 < stored <= priced, (stored, priced)  # 123 kB for 157 kB priced
             trace = search["result"]["trace"]
             assert len(trace["candidates"]) == 50
             for candidate in trace["candidates"]:
@@ -384,3 +385,53 @@ def test_a_trace_holds_the_text_its_model_was_shown_within_its_search_s_price(
                 assert candidate["truncated"] is True
             assert trace["candidate_max_chars"] == 1_200
             assert search["result"]["hits"][0]["text"] == text  # the hit's, whole
+
+
+def _oom_refusals(r: redis.Redis) -> int:
+    return int(r.info("errorstats").get("errorstat_OOM", {}).get("count", 0))
+
+
+def test_a_batch_admitted_at_the_line_s_edge_ends_under_it_with_what_redis_holds_for_it(
+    tmp_path: Path, model: FakeAnthropic
+) -> None:
+    """Redis holds a result in more bytes than its JSON has (each in jemalloc's next size
+    class up), and a batch was priced at its results' JSON: 12 queries of 12 hits over
+    documents of 30,000 characters, priced at 4.37 MB, took 4.72 MB in their results hash
+    and 5.1 MB of Redis in all. Admitted with Redis set so that it and the batch came to
+    88.5 % of its maxmemory (by the gateway's own price), it took Redis to the limit itself,
+    with the buffers its results were read into: a finish refused (OOM), the item left
+    running (at 89.5 %, Redis was left at 90.6 %, past the line new jobs are refused past).
+    Priced as Redis holds them, the batch ends, no write refused, and once those buffers are
+    freed Redis holds less than 90 %."""
+    with redis_server(tmp_path / "redis") as base, redis.Redis.from_url(base + "/0") as r:
+        url = base + "/0"
+        env = stack_env(url, model.url)
+        with (
+            gateway(tmp_path / "g", env) as gw,
+            httpx.Client(base_url=gw, timeout=90) as client,
+            celery_worker(tmp_path / "w", env, "w1"),
+        ):
+            _documents("long", "chess kasparov opening " + "x" * 29_977, 12, client)
+            size = r.hgetall(f"{INDEX_SIZE_KEY}acme:long")
+            per_hit = hit_bytes((int(size[b"documents"]), int(size[b"bytes"])))
+            price = results_bytes(12, 12 * 12, per_hit=per_hit)  # and its specs, some 3 kB
+            limit = int((int(r.info("memory")["used_memory"]) + price) / 0.885)
+            r.config_set("maxmemory", limit)
+            time.sleep(READ_EVERY_SECONDS)  # the gateway's next request reads it again
+            queries = [{"id": f"q{i}", "query": "chess kasparov", "limit": 12} for i in range(12)]
+            body = {"index": "long", "rerank": False, "queries": queries}
+            taken = client.post("/v1/batches", json=body, headers=ACME)
+            assert taken.status_code == 202, taken.text
+
+            def status() -> str:
+                return str(batch_counts(client, taken.json()["id"])["status"])
+
+            wait_for(lambda: status() == "succeeded" or _oom_refusals(r) > 0, "the batch's end")
+            assert _oom_refusals(r) == 0 and status() == "succeeded", r.info("errorstats")
+
+            def buffers_freed() -> bool:  # each result was read into one, freed by Redis's cron
+                return all(int(c["qbuf"]) + int(c["qbuf-free"]) < 32_768 for c in r.client_list())
+
+            wait_for(buffers_freed, "the connections' buffers freed")
+            held = int(r.info("memory")["used_memory"])
+            assert held < 0.9 * limit, (held / limit, price, limit)
