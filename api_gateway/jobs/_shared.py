@@ -234,8 +234,16 @@ async def _admitted(
     """Backpressure: 503 when Redis is nearly full, or would be with the ``adding`` bytes of
     ``what`` (:func:`room_for_new_work`, a 422 naming ``field`` for one that never fits);
     429 with ``Retry-After`` when ``items`` more would pass the backlog limit; else the block
-    stores their job, counted as this gateway's until it ends (:meth:`Backlog.storing`)."""
+    stores their job (:func:`_in_backlog`)."""
     await room_for_new_work(request, adding, what, field)
+    async with _in_backlog(request, items):
+        yield
+
+
+@contextlib.asynccontextmanager
+async def _in_backlog(request: Request, items: int) -> AsyncIterator[None]:
+    """429 with ``Retry-After`` when ``items`` more would pass the backlog limit; else the block
+    stores their job, counted as this gateway's until it ends (:meth:`Backlog.storing`)."""
     backlog: Backlog | None = getattr(request.app.state, "backlog", None)
     if backlog is None or backlog.limit <= 0:
         yield
