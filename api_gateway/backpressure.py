@@ -21,8 +21,9 @@ fill Redis on its own as a rule: the price is an estimate, which errs low where 
 hold more than the index's mean (a skewed index's longest documents, a text JSON escapes,
 a trace's candidates of several bytes a character; docs/queue.md, ``job_store_full``). And
 what Redis holds is read with the results the work queued or running still owes, each
-job's as it was priced when admitted (:func:`with_results_owed`), so batches admitted one
-after another do not fill it together.
+job's as it was priced when admitted (:func:`with_results_owed`), and with the jobs this
+gateway admitted and is storing (:meth:`StoreMemory.storing`, as :meth:`Backlog.storing`), so
+batches admitted one after another, or together, do not fill it together.
 """
 
 from __future__ import annotations
@@ -376,6 +377,9 @@ class StoreMemory:
         self._clock = clock
         self._used, self._limit = 0, 0
         self._read_at: float | None = None
+        # the bytes this gateway admitted, and of them those whose storing ended, ever: a
+        # reading counts the difference as it stood at its start and since (see storing)
+        self._admitted, self._stored = 0, 0
 
     async def admit(self, adding: int = 0, what: str = "") -> None:
         """Admit a job that will add about ``adding`` bytes (``what``: the job, as its
@@ -388,14 +392,31 @@ class StoreMemory:
         if self._limit and self._used + adding >= MEMORY_ADMITTED * self._limit:
             raise StoreFull(self._used, self._limit, adding, what)
         self._used += adding
+        self._admitted += adding
+
+    @contextlib.contextmanager
+    def storing(self, adding: int) -> Iterator[None]:
+        """Entered once :meth:`admit` took a job's ``adding`` bytes, left once the block
+        stored the job (or did not): until then a reading counts them on top of what Redis
+        holds with the results owed, which counts them only once the job's commit is written
+        (a batch's items are staged in slices first). Before, a reading taken in between
+        dropped them, and the next batch was admitted against that: at 80 % of maxmemory, two
+        batches of 6 % each both taken. A reading started before the block ended counts them
+        even if the commit was written before it read: the reading errs high, never low."""
+        try:
+            yield
+        finally:
+            self._stored += adding
 
     async def limited(self) -> bool:
         """Whether Redis has a ``maxmemory`` to admit by, from the cached reading (read again
         when it is ``READ_EVERY_SECONDS`` old): without one, nothing is priced."""
         now = self._clock()
         if self._read_at is None or now - self._read_at >= READ_EVERY_SECONDS:
+            stored = self._stored  # what ended storing before the reading: Redis counts it
             try:
-                self._used, self._limit = await self.read()
+                used, self._limit = await self.read()
+                self._used = used + self._admitted - stored
             except redis.ResponseError as exc:  # INFO refused (an ACL): no check, said once
                 if self._read_at is None:
                     log.warning("Redis's memory is not read (%s): no admission by it", exc)

@@ -234,10 +234,13 @@ async def _admitted(
     """Backpressure: 503 when Redis is nearly full, or would be with the ``adding`` bytes of
     ``what`` (:func:`room_for_new_work`, a 422 naming ``field`` for one that never fits);
     429 with ``Retry-After`` when ``items`` more would pass the backlog limit; else the block
-    stores their job (:func:`_in_backlog`)."""
+    stores their job (:func:`_in_backlog`), its bytes counted as this gateway's until it
+    ends (:meth:`StoreMemory.storing`)."""
     await room_for_new_work(request, adding, what, field)
-    async with _in_backlog(request, items):
-        yield
+    memory: StoreMemory | None = getattr(request.app.state, "memory", None)
+    with memory.storing(adding) if memory is not None else contextlib.nullcontext():
+        async with _in_backlog(request, items):
+            yield
 
 
 @contextlib.asynccontextmanager

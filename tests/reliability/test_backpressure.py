@@ -128,6 +128,50 @@ def test_a_batch_being_stored_counts_against_the_limit_in_a_reading_taken_meanwh
             assert _queued(url + "/0") == 8
 
 
+def test_a_batch_being_stored_counts_against_redis_s_memory_in_a_reading_taken_meanwhile(
+    tmp_path: Path,
+) -> None:
+    """Redis's memory as the backlog's count (the test above): a batch's price is owed in
+    the store (``owed_bytes``) only once its commit is written, and a reading of Redis's
+    memory due between its admission and its commit dropped it. Redis at 80 % of its
+    maxmemory, two batches that each take six hundredths of it: with the first's writes held
+    up (Redis paused for writes: reads still answered), the second, sent after the reading
+    fell due, was admitted too, and the two came to 92 %, past the 90 % new jobs are refused
+    past. The second is refused now, nothing of it stored."""
+    with redis_server(tmp_path / "redis") as base:
+        url = base + "/0"
+        env = stack_env(url, "http://127.0.0.1:9")
+        with (
+            gateway(tmp_path / "g", env) as gw,
+            httpx.Client(base_url=gw, timeout=60) as c,
+            redis.Redis.from_url(url) as r,
+            ThreadPoolExecutor(2) as pool,
+        ):
+            r.setrange("ballast", 8_000_000 - 1, b"x")  # grown in place: see test_redis_full
+            limit = int(int(r.info("memory")["used_memory"]) / 0.8)
+            r.config_set("maxmemory", limit)
+            each = int(0.06 * limit) // results_bytes(1, 10)  # 10 hits a query
+            time.sleep(READ_EVERY_SECONDS)  # the first request takes a new reading
+
+            def held() -> int:
+                return int(r.info("clients")["blocked_clients"])  # paused writers count in
+
+            r.execute_command("CLIENT", "PAUSE", 600_000, "WRITE")  # until UNPAUSE
+            try:
+                first = pool.submit(c.post, "/v1/batches", json=_batch(each, "a"), headers=ACME)
+                wait_for(lambda: held() == 1, "the first batch, admitted, held at its first write")
+                time.sleep(READ_EVERY_SECONDS)  # the next request takes a new reading
+                second = pool.submit(c.post, "/v1/batches", json=_batch(each, "b"), headers=ACME)
+                wait_for(lambda: second.done() or held() == 2, "the second answered or held")
+            finally:
+                r.execute_command("CLIENT", "UNPAUSE")
+            assert first.result().status_code == 202, first.result().text
+            refused = second.result()
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["type"] == "job_store_full", refused.text
+            assert _queued(url) == each
+
+
 def test_the_openapi_document_lists_the_429(idle: tuple[httpx.Client, str]) -> None:
     client, _ = idle
     paths = client.get("/openapi.json").json()["paths"]

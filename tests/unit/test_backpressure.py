@@ -156,12 +156,67 @@ def test_a_batch_is_judged_with_the_bytes_it_adds_and_counted_until_the_next_rea
         public = info.value.public  # the client's: not what Redis holds, every tenant's work
         assert "no room for this batch of 3 queries" in public and "80%" not in public, public
         await memory.admit(60, "a batch")  # 860
+        with memory.storing(60):
+            pass  # stored, as the gateway stores what it admits
         with pytest.raises(StoreFull):
             await memory.admit(60, "a batch")  # 920, counted with the first
         await memory.admit()  # a search: nothing added to judge
         now[0] += READ_EVERY_SECONDS
         held[0] = 810  # the reading now holds the first batch
         await memory.admit(60, "a batch")
+
+    asyncio.run(scenario())
+
+
+def test_bytes_admitted_and_not_stored_yet_are_added_to_a_new_reading() -> None:
+    """A batch's bytes are in what Redis holds with the results owed only once its commit is
+    written: a reading taken while it is being stored counts them (it dropped them, and the
+    next batch was admitted against it), and one taken after it was stored counts them once."""
+
+    async def scenario() -> None:
+        now, held = [0.0], [800]
+
+        async def read() -> tuple[int, int]:
+            return held[0], 1_000
+
+        memory = StoreMemory(read, clock=lambda: now[0])
+        await memory.admit(60, "a batch")  # 860
+        with memory.storing(60):  # not in Redis's reading yet
+            now[0] += READ_EVERY_SECONDS
+            with pytest.raises(StoreFull) as info:
+                await memory.admit(60, "a batch")  # 800 read + 60 being stored + 60
+            assert "86%" in str(info.value), info.value
+        held[0], now[0] = 860, now[0] + READ_EVERY_SECONDS  # stored: owed in the store
+        await memory.admit(30, "a batch")  # 890
+        with pytest.raises(StoreFull):
+            await memory.admit(10, "a batch")
+
+    asyncio.run(scenario())
+
+
+def test_a_reading_counts_what_was_being_stored_when_it_started() -> None:
+    """A job stored while a reading is in flight may or may not be in what it reads: it is
+    counted on top, so the reading errs high, never low."""
+
+    async def scenario() -> None:
+        now, gate = [0.0], asyncio.Event()
+
+        async def read() -> tuple[int, int]:
+            await gate.wait()
+            return 800, 1_000  # the commit not seen
+
+        memory = StoreMemory(read, clock=lambda: now[0])
+        gate.set()
+        await memory.admit(40, "a batch")
+        gate.clear()
+        with memory.storing(40):
+            now[0] += READ_EVERY_SECONDS
+            reading = asyncio.ensure_future(memory.limited())
+            await asyncio.sleep(0)
+        gate.set()
+        await reading
+        with pytest.raises(StoreFull):
+            await memory.admit(60, "a batch")  # 800 + 40 + 60
 
     asyncio.run(scenario())
 
