@@ -550,6 +550,7 @@ class _State:
     batch_script: dict[str, deque[BatchOutcome]] = field(default_factory=dict)
     # per batch endpoint (create, retrieve, results, cancel): scripted answers, one per call
     batch_calls: dict[str, deque[Behaviour]] = field(default_factory=dict)
+    batch_calls_made: Counter[str] = field(default_factory=Counter)  # per endpoint, answered
     buckets: dict[str, _Bucket] = field(default_factory=dict)  # by FakeConfig field
     rate_limited: int = 0  # 429s sent by the buckets
 
@@ -900,9 +901,16 @@ class FakeAnthropic:
     def _scripted_call(self, call: BatchCall) -> Behaviour | None:
         """The next scripted answer of ``call`` (None: answer normally)."""
         with self._lock:
+            self._state.batch_calls_made[call] += 1
             answers = self._state.batch_calls.get(call)
             answer = answers.popleft() if answers else None
         return None if answer is None or answer.kind == "good" else answer
+
+    def batch_calls_made(self) -> dict[str, int]:
+        """How many calls each Message Batches endpoint took as scriptable (a create refused
+        first for its size or its headers is not one), scripted or answered normally."""
+        with self._lock:
+            return dict(self._state.batch_calls_made)
 
     def batches(self) -> list[dict[str, Any]]:
         """Every Message Batch created: ``id``, ``status``, ``custom_ids``, ``params``."""

@@ -555,17 +555,21 @@ def test_an_item_failed_while_its_request_was_out_tells_the_time_it_was_out(
     stack: Stack, corpus: object, queries: list[str]
 ) -> None:
     # a create in doubt (a 500, retry-after 1: settled no sooner) whose one candidate proves
-    # another client's; the items' resend is refused (400) for good, twice (once by the
-    # poll's mapping, once as it gives up): they fail. Their request was out from that create
-    # to the failure, a second at least: the one attempt's seconds, and the item's
-    # rerank_seconds, say so. Both were 0, as if it had never gone.
+    # another client's; the items' resend, sent by the poll's mapping, is refused (400) for
+    # good: they fail at once, the resend not sent again (the poll, giving up, sent it a
+    # second time). Their request was out from that create to the failure, a second at
+    # least: the one attempt's seconds, and the item's rerank_seconds, say so. Both were 0,
+    # as if it had never gone.
     stack.model.configure(batch_processing_seconds=0.5)
-    _foreign_batch(stack, 2)
+    foreign = _foreign_batch(stack, 2)
     refused = status(400, message="requests: bad")
-    stack.model.script_batch_calls("create", [status(500, retry_after=1), refused, refused])
+    stack.model.script_batch_calls("create", [status(500, retry_after=1), refused])
     batch_id = _submit(stack, _items(queries, 2), "economy", include_trace=True)
     done = _wait(stack, batch_id)
     assert done["counts"]["failed"] == 2, done
+    # the foreign batch's create, the one in doubt and the resend's: a 4th would have made one
+    assert stack.model.batch_calls_made()["create"] == 3
+    assert [b["id"] for b in stack.model.batches()] == [foreign]
     for item in _results(stack, batch_id).values():
         trace = item["error"]["trace"]
         [attempt] = trace["attempts"]

@@ -121,9 +121,12 @@ def _poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
             raise self.retry(countdown=countdown) from exc
         log.error("provider batch %s: giving up: %s", provider_id, exc)
         store.economy_met(batch_id, provider_id)
-        if record.get("doubt"):  # not shown to be ours: as if it were another client's
+        if record.get("doubt") and exc.call in READS:  # unread: as if another client's
             _resend_after_candidate(self, batch, provider_id, give_up)
             return
+        # a create failed (a resubmission's, or the resend after a candidate the mapping
+        # judged): its items, and a create in doubt's, fail. A candidate judged again here
+        # had its resend sent a second time, refused as the first was.
         mine = items_waiting(store, batch_id, provider_id, record.get("submission"))
         fail_items(self, batch, mine, exc)
 
