@@ -2010,3 +2010,47 @@ def test_a_probe_unanswered_whose_end_meets_redis_gone_is_counted(
     assert len(fake.requests()) == 1
     assert recorder.events["attempt", "connection"] == 1
     assert recorder.events["unread", MODEL] == 1  # sent, no answer read: it may be billed
+
+
+@pytest.mark.parametrize(
+    ("answer", "outcome"),
+    [
+        (fa.malformed("not a ranking"), "malformed"),  # billed: settled on its usage
+        (fa.status(409), "http_5xx"),  # retried as a 5xx: its tokens given back
+    ],
+    ids=["malformed-billed", "409"],
+)
+def test_a_retried_attempt_whose_settlement_meets_redis_gone_raises(
+    fake: fa.FakeAnthropic,
+    gone: tuple[redis.Redis, Callable[[], None]],
+    answer: fa.Behaviour,
+    outcome: str,
+) -> None:
+    """Redis stops while the call is out, and the provider answers what is retried with no
+    other write of the budget's after the settlement: a billed answer not in the schema, or a
+    409. The settlement meets the connection refused past the client's retries and raises, as
+    a 429's pause or the breaker's write there does: the run is left for the outage's
+    re-drive, the attempt (and its usage) counted first. The test's clock moves by the
+    deadline as Redis stops: the client's retries at the defaults (30 s, cut here to half a
+    second) spend the default deadline. Before, the settlement was dropped, the run went on
+    with no time left and fell back: the outage charged to the job."""
+    client, stop_redis = gone
+    clock = FakeClock()
+    recorder = RecordingRecorder()
+
+    def outage() -> None:
+        stop_redis()
+        clock.now += 30.0
+
+    pipeline, _ = build(
+        fake, client, "fail_open", RateLimit(rpm=60), recorder,
+        deadline=30.0, clock=clock, sleep=clock.sleep, answered=outage,
+    )  # fmt: skip
+    fake.script([answer, fa.good()])
+    before = unsettled()
+    with pytest.raises(redis.ConnectionError):
+        search(pipeline)
+    assert len(fake.requests()) == 1
+    assert recorder.events["attempt", outcome] == 1
+    assert (recorder.usage["output"] > 0) is (outcome == "malformed")
+    assert unsettled() == before  # raised, not dropped

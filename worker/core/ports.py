@@ -246,14 +246,17 @@ class RateBudget(Protocol):
         *,
         sent: bool = True,
         closes: bool = True,
+        quiet: bool = True,
     ) -> None:
         """Give back what the call did not use (``usage`` as reported); ``None``: unknown,
         the reservation stands. ``sent`` False: the provider never saw the call, so its
         request is given back too, and a grant that was the breaker's probe lets the next
         call probe. An answer (``usage`` given) closes the breaker a 5xx opened, unless
-        ``closes`` is False (a 429). Never raises: it comes after what happened to the call
-        (billed, canceled, handed back), which a failure of the budget's store must not
-        replace; a settlement not made leaves the share taken until the buckets refill it."""
+        ``closes`` is False (a 429). ``quiet``: never raises: it comes after what happened
+        to the call (billed, canceled, handed back), which a failure of the budget's store
+        must not replace; a settlement not made leaves the share taken until the buckets
+        refill it. Not ``quiet`` (an attempt to be retried), a failure of the store raises,
+        as :meth:`pause` and the breaker's writes do."""
         ...
 
     def pause(self, seconds: float) -> None:

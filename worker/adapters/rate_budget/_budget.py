@@ -524,6 +524,7 @@ class RedisRateBudget:
         *,
         sent: bool = True,
         closes: bool = True,
+        quiet: bool = True,
     ) -> None:
         """Give back the unused part of the reservation (and its request, for a call never
         ``sent``: the provider did not count it). Input tokens as the provider meters
@@ -533,12 +534,13 @@ class RedisRateBudget:
         ended its wait) ends there, as one that got no answer does, if its mark is still the
         probe's: its lease held every process back for 20 s, sending nothing.
 
-        Never raises: a settlement Redis fails (down, or silent, past the client's retries)
-        is logged and counted (``sift_rate_budget_unsettled_total``) and dropped, the share
-        left taken until the buckets refill it (and a probe given back, until its lease
-        ends). It comes after what happened to the call (its answer billed, a cancel, the
-        worker's stop): raised, it replaced that, the answer and its usage lost, the stop
-        taken for a Redis failure."""
+        ``quiet`` (the default) never raises: a settlement Redis fails (down, or silent, past
+        the client's retries) is logged and counted (``sift_rate_budget_unsettled_total``)
+        and dropped, the share left taken until the buckets refill it (and a probe given
+        back, until its lease ends). It comes after what happened to the call (its answer
+        billed, a cancel, the worker's stop): raised, it replaced that, the answer and its
+        usage lost, the stop taken for a Redis failure. Not ``quiet`` (a failed attempt to
+        be retried), the Redis error is raised, as the budget's other writes raise."""
         stated = getattr(self._call, "stated", None)
         found = getattr(self._call, "found", None)
         self._call.stated = self._call.found = None
@@ -567,6 +569,8 @@ class RedisRateBudget:
                 take, -1, stated=stated, age=age, answered=answered, learn=found, probe=grant.probe
             )
         except redis.RedisError as exc:
+            if not quiet:
+                raise
             metrics.budget_unsettled(self.model, self.lane)
             log.warning(
                 "the rate budget of %s could not be settled; its share stays taken until the "

@@ -246,19 +246,25 @@ class ModelCalls:
         failure is settled on the
         ``usage`` it reported (none reported: the reservation stands); a 5xx opens the breaker;
         any other answer closes it, billed or not; one that got no answer ends the breaker's
-        probe if it was that."""
+        probe if it was that.
+
+        The settlement of an attempt to be retried raises when Redis fails, as these writes
+        do: the run, having spent the client's retries (30 s, the default deadline), is left
+        for the outage's re-drive, where going on charged the outage to the job. A final one
+        (a 4xx, a refusal) stands, as an answer does: its settlement is dropped."""
         budget = self.rate_budget
         assert budget is not None
+        quiet = not error.retryable
         if error.sent:
             budget.sent(waited)
         if error.outcome is AttemptOutcome.RATE_LIMITED or not error.sent:
-            budget.settle(grant, TokenUsage(), sent=error.sent, closes=False)
+            budget.settle(grant, TokenUsage(), sent=error.sent, closes=False, quiet=quiet)
             if error.sent:
                 budget.pause(error.retry_after or DEFAULT_429_PAUSE_SECONDS)
         elif error.outcome is AttemptOutcome.HTTP_4XX or _transient_4xx(error):
-            budget.settle(grant, TokenUsage())  # refused at once: no token read
+            budget.settle(grant, TokenUsage(), quiet=quiet)  # refused at once: no token read
         else:
-            budget.settle(grant, usage)
+            budget.settle(grant, usage, quiet=quiet)
             if error.outcome is AttemptOutcome.HTTP_5XX:  # the provider is failing: the breaker
                 budget.trip(error.retry_after)
             elif usage is None and error.outcome not in NO_ANSWER:
