@@ -16,7 +16,8 @@ And past 90 % of Redis's ``maxmemory`` (:class:`StoreMemory`), new jobs are refu
 still write their ends. A batch, or a search as a batch of one, is judged with what it will
 add (:func:`batch_bytes`, its items and their results, each hit priced by its index's mean
 document, :func:`hit_bytes`, and each candidate its traces list by the same, cut where a
-trace cuts its text, :func:`trace_candidate_bytes`), so one admitted below 90 % does not
+trace cuts its text, :func:`trace_candidate_bytes`, as each an economy item keeps while it
+waits at the provider, :func:`waiting_candidates`), so one admitted below 90 % does not
 fill Redis on its own as a rule: the price is an estimate, which errs low where the results
 hold more than the index's mean (a skewed index's longest documents, a text JSON escapes,
 a trace's candidates of several bytes a character; docs/queue.md, ``job_store_full``). And
@@ -37,6 +38,7 @@ from collections.abc import Awaitable, Callable, Iterator
 
 import redis
 
+from worker.constants import LANE_ECONOMY
 from worker.contract import SearchSpec
 
 log = logging.getLogger(__name__)
@@ -242,8 +244,23 @@ def traced_candidates(spec: SearchSpec, window: int) -> int:
     """
     if not spec.include_trace:
         return 0
-    if not spec.rerank:
-        return spec.limit
+    return _rerank_window(spec, window) if spec.rerank else spec.limit
+
+
+def waiting_candidates(spec: SearchSpec, window: int, lane: str) -> int:
+    """How many candidates an item of ``spec`` keeps in Redis while it waits at the provider
+    (the economy ``lane``'s, reranked: its prepared search, the head of each candidate's
+    text up to the prompt's cut): its rerank's coarse window, as :func:`traced_candidates`
+    counts it; none in the standard lane, or unreranked.
+
+    >>> spec = SearchSpec(index="i", query="q", limit=5, rerank=True)
+    >>> waiting_candidates(spec, 30, "economy"), waiting_candidates(spec, 30, "standard")
+    (30, 0)
+    """
+    return _rerank_window(spec, window) if lane == LANE_ECONOMY and spec.rerank else 0
+
+
+def _rerank_window(spec: SearchSpec, window: int) -> int:
     return max(spec.limit, spec.candidate_limit or window)
 
 
@@ -253,14 +270,17 @@ def batch_bytes(
     traced: int = 0,
     per_hit: int = HIT_BYTES,
     per_candidate: int = TRACE_CANDIDATE_BYTES,
+    waiting: int = 0,
 ) -> int:
     """About how many bytes a batch will hold in Redis once each item has its result:
     ``items`` its (query id, spec JSON) pairs, ``hits`` the most hits their results hold (the
     sum of their limits), ``traced`` the candidates their traces list (the sum of
     :func:`traced_candidates`: 0 without ``include_trace``), ``per_hit`` what one hit takes
     (:func:`hit_bytes` of its index), ``per_candidate`` one candidate of a trace
-    (:func:`trace_candidate_bytes`). An estimate, not a bound: a result's hits carry their
-    documents, which are priced at their index's mean.
+    (:func:`trace_candidate_bytes`), and ``waiting`` the candidates its economy items keep
+    while they wait at the provider (the sum of :func:`waiting_candidates`), each priced as
+    a trace's. An estimate, not a bound: a result's hits carry their documents, which are
+    priced at their index's mean.
 
     >>> batch_bytes([("q1", "{}")], hits=10)
     5754
@@ -268,7 +288,7 @@ def batch_bytes(
     1242004
     """
     stored = sum(len(query_id) + len(spec) for query_id, spec in items)
-    return stored + results_bytes(len(items), hits, traced, per_hit, per_candidate)
+    return stored + results_bytes(len(items), hits, traced, per_hit, per_candidate, waiting)
 
 
 def results_bytes(
@@ -277,20 +297,27 @@ def results_bytes(
     traced: int = 0,
     per_hit: int = HIT_BYTES,
     per_candidate: int = TRACE_CANDIDATE_BYTES,
+    waiting: int = 0,
 ) -> int:
     """What a batch of ``items`` (:func:`batch_bytes`'s other arguments) still owes once it is
-    stored: its items' results, written as each finishes, their traces with them. The job
-    store keeps it, from the job's admission until its items finish (``owed_bytes`` in
-    ``sift:stats:jobs``), and each reading of Redis's memory is judged with it
-    (:func:`with_results_owed`).
+    stored: its items' results, written as each finishes, their traces with them, and what
+    its economy items keep while they wait at the provider (their prepared searches, held
+    until the batch completes), each such record priced as a trace of its ``waiting``
+    candidates. The job store keeps it, from the job's admission until its items finish
+    (``owed_bytes`` in ``sift:stats:jobs``), and each reading of Redis's memory is judged
+    with it (:func:`with_results_owed`): a waiting item's record is counted twice, held and
+    owed, from its prepare to its item's end.
 
     Priced as Redis holds them, :data:`STORED_FACTOR` times their JSON (a result of 10 hits,
     4.6 kB of JSON; 17.1 kB with a trace of 30 candidates):
 
     >>> results_bytes(1, hits=10), results_bytes(1, hits=10, traced=30)
     (5750, 21375)
+    >>> results_bytes(1, hits=10, waiting=30), results_bytes(1, hits=10, traced=30, waiting=30)
+    (21375, 34500)
     """
-    traces = items * TRACE_BYTES + traced * per_candidate if traced else 0
+    listed = traced + waiting
+    traces = items * TRACE_BYTES + listed * per_candidate if listed else 0
     stored = items * ITEM_BYTES + hits * per_hit + traces
     return math.ceil(stored * STORED_FACTOR)
 

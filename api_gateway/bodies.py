@@ -46,7 +46,7 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from pydantic import Field, TypeAdapter, ValidationError
 
-from api_gateway.backpressure import traced_candidates
+from api_gateway.backpressure import traced_candidates, waiting_candidates
 from api_gateway.schemas import BatchQueryIn, BatchRequest
 from worker.constants import MAX_BATCH_QUERIES
 from worker.contract import SearchSpec
@@ -77,14 +77,16 @@ class BatchHead(BatchRequest):
 class ParsedBatch:
     """A valid batch body: its fields, each query's id and ``SearchSpec`` JSON in order,
     its fingerprint (``""`` unless asked for), the most hits its results hold (the sum of
-    its queries' limits) and the candidates their traces list (:func:`traced_candidates`):
-    what it will take of the job store, :func:`batch_bytes`."""
+    its queries' limits), the candidates their traces list (:func:`traced_candidates`) and
+    those its economy items keep while they wait at the provider
+    (:func:`waiting_candidates`): what it will take of the job store, :func:`batch_bytes`."""
 
     head: BatchHead
     items: list[tuple[str, str]]
     fingerprint: str
     hits: int = 0
     traced: int = 0
+    waiting: int = 0
 
 
 def read_as_json(content_type: str | None) -> bool:
@@ -119,7 +121,7 @@ def parse_batch(
     as sent). Each query's spec says ``rerank_default`` (the gateway's ``SIFT_RERANK_ENABLED``)
     where the batch leaves ``rerank`` out, so the worker never decides it; ``window`` is the
     rerank window of one that sets no ``candidate_limit`` (``SIFT_RERANK_CANDIDATE_LIMIT``),
-    for the candidates its trace lists. Raises
+    for the candidates its trace lists, and an economy item keeps while it waits. Raises
     :class:`RequestValidationError` as FastAPI would, then :class:`InvalidRequest` for a
     member given twice or an integer too long to read (first), or a repeated query id.
 
@@ -140,7 +142,7 @@ def parse_batch(
         raise RequestValidationError(errors, body=data)
     assert isinstance(queries, list)
     items: list[tuple[str, str]] = []
-    hits = traced = 0
+    hits = traced = waiting = 0
     first_seen: dict[str, int] = {}
     repeated: InvalidRequest | None = None
     digest = _Fingerprint(route, head) if route and head else None
@@ -162,6 +164,7 @@ def parse_batch(
             spec = _spec(head, query, rerank_default)
             hits += spec.limit
             traced += traced_candidates(spec, window)
+            waiting += waiting_candidates(spec, window, head.lane)
             items.append((query.id, spec.model_dump_json()))
         if digest is not None:
             digest.add(part)
@@ -170,7 +173,7 @@ def parse_batch(
     if repeated is not None:
         raise repeated
     assert head is not None
-    return ParsedBatch(head, items, digest.hexdigest() if digest else "", hits, traced)
+    return ParsedBatch(head, items, digest.hexdigest() if digest else "", hits, traced, waiting)
 
 
 def json_text(raw: bytes) -> str:

@@ -170,6 +170,7 @@ async def create_batch(
                 parsed.hits,
                 parsed.traced,
                 f"this batch of {len(parsed.items)} queries",
+                parsed.waiting,
             )
             async with _admitted(request, total, adding, what):  # the whole batch, or none
                 batch = await off_loop(

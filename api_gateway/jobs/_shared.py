@@ -172,11 +172,13 @@ async def results_size(
     hits: int,
     traced: int,
     what: str,
+    waiting: int = 0,
 ) -> tuple[int, int, str]:
     """What a search or batch will add to the job store with its results (:func:`batch_bytes`
     of its ``items``, a search one), each of its ``hits`` priced by its index's mean
     document as the workers recorded it (:func:`hit_bytes`; one read of Redis), and each of
-    the ``traced`` candidates its traces list by the same, cut to the prompt's
+    the ``traced`` candidates its traces list, and of the ``waiting`` ones its economy items
+    keep while they wait at the provider, by the same, cut to the prompt's
     ``SIFT_RERANK_CANDIDATE_MAX_CHARS`` (:func:`trace_candidate_bytes`); of that, what its
     results owe until its items finish (:func:`results_bytes`, which its record keeps); and
     how a refusal names it (``what``, with the index's figures). An index of ``n``
@@ -186,20 +188,22 @@ async def results_size(
     (:data:`~api_gateway.backpressure.HIT_BYTES`), should a ``maxmemory`` be set meanwhile."""
     memory: StoreMemory | None = getattr(request.app.state, "memory", None)
     if memory is None or not await memory.limited():
-        return 0, results_bytes(len(items), hits, traced), what
+        return 0, results_bytes(len(items), hits, traced, waiting=waiting), what
     size = await async_job_store(request).index_size(tenant, index)
     if size is not None:
-        hits, traced = (min(n, len(items) * size[0]) for n in (hits, traced))
+        hits, traced, waiting = (min(n, len(items) * size[0]) for n in (hits, traced, waiting))
     per_hit = hit_bytes(size)
     per_candidate = trace_candidate_bytes(size, app_settings(request).rerank_candidate_max_chars)
     if size is not None:
         listed = f" and {traced} trace candidates" if traced else ""
+        if waiting:
+            listed += f" and {waiting} candidates kept while waiting at the provider"
         what += (
             f" (up to {hits} hits{listed} over index {index!r}, whose documents hold "
             f"{per_hit - HIT_OVERHEAD_BYTES:,} bytes on average)"
         )
-    owed = results_bytes(len(items), hits, traced, per_hit, per_candidate)
-    return batch_bytes(items, hits, traced, per_hit, per_candidate), owed, what
+    owed = results_bytes(len(items), hits, traced, per_hit, per_candidate, waiting)
+    return batch_bytes(items, hits, traced, per_hit, per_candidate, waiting), owed, what
 
 
 async def room_for_new_work(

@@ -5,6 +5,7 @@ whole. The gateway's queue has no worker (the e2e ``idle`` pattern), so the back
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +28,14 @@ from tests.reliability.support import (
     wait_for,
 )
 from tests.services import celery_worker, gateway, redis_server
-from worker.constants import INDEX_SIZE_KEY, SEARCH_KEY, STATS_KEY
+from worker.constants import (
+    BATCH_KEY,
+    BATCH_RESULTS_KEY,
+    ECONOMY_PREPARED_KEY,
+    INDEX_SIZE_KEY,
+    SEARCH_KEY,
+    STATS_KEY,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -479,3 +487,129 @@ def test_a_batch_admitted_at_the_line_s_edge_ends_under_it_with_what_redis_holds
             wait_for(buffers_freed, "the connections' buffers freed")
             held = int(r.info("memory")["used_memory"])
             assert held < 0.9 * limit, (held / limit, price, limit)
+
+
+def _waiting_text(i: int) -> str:
+    """A document of some 50,000 characters, mostly ASCII, with runs of whitespace and
+    characters outside it (accented, CJK, an ideographic space)."""
+    line = f"chess kasparov opening {i}, d\u00e9fense  fran\u00e7aise \u56fd\u9645\u8c61\u68cb"
+    line += "\u3000\n\n"
+    return (line + "x" * 940 + "\n") * 50
+
+
+def test_an_economy_item_waiting_at_the_provider_holds_its_prompt_s_text_within_its_price(
+    tmp_path: Path, model: FakeAnthropic
+) -> None:
+    """An economy item keeps its prepared search in Redis while it waits at the provider
+    (hours at most), and it kept each candidate's document whole: an item of 50 candidates
+    over documents of 50,000 characters held 2.5 MB, which admission priced at nothing (the
+    batch's 4 items held 10.5 MB for 203 kB priced). It keeps each candidate's text up to
+    the prompt's cut now (as UTF-8: escaped, a CJK character took 6 bytes), and admission
+    prices those records: what the batch holds while it
+    waits, with the results it writes, is no more than its price (``owed_bytes``); the
+    prompt the provider is sent, rebuilt from the records, is the standard lane's for the
+    same search (built from the whole texts), byte for byte; and the hits, read again from
+    the index at the finish, carry their documents whole."""
+    with redis_server(tmp_path / "redis") as base, redis.Redis.from_url(base + "/0") as r:
+        url = base + "/0"
+        env = stack_env(url, model.url, SIFT_ECONOMY_POLL_SECONDS="0.2",
+                        SIFT_ECONOMY_POLL_MAX_SECONDS="1")  # fmt: skip
+        model.reset()
+        try:
+            with (
+                gateway(tmp_path / "g", env) as gw,
+                httpx.Client(base_url=gw, timeout=90, headers=ACME) as client,
+                celery_worker(tmp_path / "w", env, "w1"),
+            ):
+                texts = {f"d{i}": _waiting_text(i) for i in range(50)}
+                docs = [{"id": k, "text": t} for k, t in texts.items()]
+                done = client.post(
+                    "/v1/indexes/long/documents", params={"wait": 30}, json={"documents": docs}
+                )
+                assert done.status_code == 200 and done.json()["status"] == "succeeded", done.text
+                r.config_set("maxmemory", 1 << 30)  # admission prices each job by its index
+                time.sleep(READ_EVERY_SECONDS)  # the gateway's next request reads it again
+                search = {"index": "long", "rerank": True, "candidate_limit": 50}
+                query = {"query": "chess kasparov", "limit": 1}
+                standard = client.post(
+                    "/v1/searches", json={**search, **query}, params={"wait": 30}
+                )
+                assert standard.json()["status"] == "succeeded", standard.text
+                [sent] = [q["body"] for q in model.requests()]
+
+                model.configure(batch_processing_seconds=600)  # the items wait at the provider
+                queries = [{"id": f"q{i}", **query} for i in range(4)]
+                made = client.post("/v1/batches", json={**search, "lane": "economy",
+                                                        "queries": queries})  # fmt: skip
+                assert made.status_code == 202, made.text
+                batch_id = made.json()["id"]
+                prepared = ECONOMY_PREPARED_KEY + batch_id
+                wait_for(lambda: len(model.batches()) == 1, "the provider batch's create")
+                assert r.hlen(prepared) == 4
+                held = sum(r.hstrlen(prepared, q["id"]) for q in queries)  # 4 x 2.5 MB before
+                for raw in r.hvals(prepared):
+                    assert "\u56fd\u9645\u8c61\u68cb".encode() in raw  # UTF-8, not escaped
+                    for candidate in json.loads(raw)["candidates"]:
+                        assert texts[candidate["id"]].startswith(candidate["text"])
+                        assert len(candidate["text"]) < 1_300, len(candidate["text"])
+                params = model.batches()[0]["params"]
+                assert len(params) == 4
+                for request in params:  # rebuilt from the records: the whole texts' prompt
+                    assert request["system"] == sent["system"]
+                    assert request["messages"] == sent["messages"]
+
+                model.configure(batch_processing_seconds=0)
+                wait_for(lambda: batch_counts(client, batch_id)["finished_at"], "the batch's end")
+                assert batch_counts(client, batch_id)["counts"]["succeeded"] == 4
+                results = BATCH_RESULTS_KEY + batch_id
+                written = sum(r.hstrlen(results, q["id"]) for q in queries)
+                priced = 4 * int(r.hget(BATCH_KEY + batch_id, "owed_item_bytes") or 0)
+                assert 0 < held + written <= priced, (held, written, priced)
+                page = client.get(f"/v1/batches/{batch_id}/results").json()["results"]
+                for item in page:
+                    [hit] = item["result"]["hits"]
+                    assert hit["text"] == texts[hit["id"]]  # whole: read again at the finish
+        finally:
+            model.configure(batch_processing_seconds=0)
+
+
+def test_an_economy_batch_is_priced_with_what_its_items_keep_while_they_wait(
+    tmp_path: Path, model: FakeAnthropic
+) -> None:
+    """What an economy batch's items keep in Redis while they wait at the provider, their
+    candidates' texts up to the prompt's cut, was priced at nothing: with Redis at 80 % of
+    its maxmemory (2 MB to the 90 %), 20 queries of 1 hit and 50 candidates over documents
+    of 50,000 characters (1 MB of results, and 1.5 MB kept while they wait) are refused,
+    naming those candidates; the same batch in the standard lane, which keeps none of it,
+    is taken."""
+    with redis_server(tmp_path / "redis") as base, redis.Redis.from_url(base + "/0") as r:
+        url = base + "/0"
+        env = stack_env(url, model.url)
+        with (
+            gateway(tmp_path / "g", env) as gw,
+            httpx.Client(base_url=gw, timeout=90) as client,
+            celery_worker(tmp_path / "w", env, "w1"),
+        ):
+            _documents("long", "chess kasparov opening " + "x" * 49_977, 50, client)
+            limit = 20_000_000  # 2 MB of room: the standard batch 1.3 MB, the economy 3.2
+            used = int(r.info("memory")["used_memory"])
+            # in values of 64 kB, a size class of their own: one string of 15 MB is held in
+            # jemalloc's next class up, some 2 MB more, and took the room the test leaves
+            with r.pipeline(transaction=False) as fill:
+                for i in range((int(0.8 * limit) - used) // 65_536):
+                    fill.set(f"ballast:{i}", b"x" * 65_000)
+                fill.execute()
+            r.config_set("maxmemory", limit)
+            time.sleep(READ_EVERY_SECONDS)  # the gateway's next request reads it again
+            queries = [{"id": f"q{i}", "query": "chess kasparov", "limit": 1} for i in range(20)]
+            body = {"index": "long", "rerank": True, "candidate_limit": 50, "queries": queries}
+            economy = client.post("/v1/batches", json={**body, "lane": "economy"}, headers=ACME)
+            assert economy.status_code == 503, economy.text
+            error = economy.json()["error"]
+            assert error["type"] == "job_store_full", error
+            assert (
+                "up to 20 hits and 1000 candidates kept while waiting at the provider over "
+                "index 'long'" in error["message"]
+            ), error
+            standard = client.post("/v1/batches", json=body, headers=ACME)
+            assert standard.status_code == 202, standard.text

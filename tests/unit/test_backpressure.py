@@ -13,6 +13,8 @@ from api_gateway.backpressure import (
     HIT_BYTES,
     HIT_OVERHEAD_BYTES,
     READ_EVERY_SECONDS,
+    STORED_FACTOR,
+    TRACE_BYTES,
     Backlog,
     BacklogFull,
     StoreFull,
@@ -21,6 +23,7 @@ from api_gateway.backpressure import (
     batch_bytes,
     hit_bytes,
     results_bytes,
+    trace_candidate_bytes,
 )
 from api_gateway.jobs._shared import results_size
 
@@ -244,6 +247,10 @@ def test_a_batch_s_bytes_grow_with_its_specs_its_hits_and_its_traces() -> None:
     assert batch_bytes([("q1", "{}" + "x" * 100)], hits=10) == one + 100
     assert batch_bytes([("q1", "{}")], hits=100) > 5 * one
     assert batch_bytes([("q1", "{}")], hits=10, traced=10) > 1.5 * one
+    # an economy item's record, kept while it waits at the provider, priced as a trace
+    assert batch_bytes([("q1", "{}")], hits=10, waiting=10) == batch_bytes(
+        [("q1", "{}")], hits=10, traced=10
+    )
     assert batch_bytes([("q1", "{}"), ("q2", "{}")], hits=20) == 2 * one
 
 
@@ -290,5 +297,13 @@ def test_a_search_or_batch_is_priced_only_when_redis_has_a_maxmemory() -> None:
         assert adding == batch_bytes([("", "{}")], 10, per_hit=hit_bytes((10, 99_000)))
         assert owed == results_bytes(1, 10, per_hit=hit_bytes((10, 99_000))) == adding - 2
         assert "index 'docs'" in what
+        # an economy item's window of 30 candidates, kept while it waits, priced as a trace's
+        # (cut), up to the index's 10 documents
+        adding, owed, what = await results_size(request(1 << 30, limited), *args, 30)
+        per_hit, per_candidate = hit_bytes((10, 99_000)), trace_candidate_bytes((10, 99_000), 1_200)
+        assert owed == results_bytes(1, 10, 0, per_hit, per_candidate, 10) == adding - 2
+        listed = (TRACE_BYTES + 10 * 1_450) * STORED_FACTOR  # as Redis holds it
+        assert owed - results_bytes(1, 10, per_hit=per_hit) == listed
+        assert "10 candidates kept while waiting at the provider" in what
 
     asyncio.run(scenario())

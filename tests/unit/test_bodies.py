@@ -207,3 +207,20 @@ def test_a_batch_counts_the_candidates_its_traces_list() -> None:
     assert traced(rerank=True, candidate_limit=50) == 50 + 50
     assert traced(rerank=False) == 5 + 40
     assert traced(rerank=True, include_trace=False) == 0
+
+
+def test_an_economy_batch_counts_the_candidates_its_items_keep_while_they_wait() -> None:
+    """A reranked economy item keeps its coarse window's candidates in Redis while it waits
+    at the provider (their texts up to the prompt's cut), traced or not: what admission
+    prices those records by (they were priced at nothing). A standard batch, or an
+    unranked one, keeps none."""
+
+    def waiting(**head: object) -> int:
+        queries = [{"id": "a", "query": "q", "limit": 5}, {"id": "b", "query": "q", "limit": 40}]
+        body = {"index": "docs", "queries": queries, "lane": "economy", **head}
+        return parse_batch(json.dumps(body).encode(), window=30).waiting
+
+    assert waiting(rerank=True) == 30 + 40
+    assert waiting(rerank=True, candidate_limit=50, include_trace=True) == 50 + 50
+    assert waiting(rerank=False) == 0
+    assert waiting(rerank=True, lane="standard") == 0

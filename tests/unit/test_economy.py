@@ -4,13 +4,14 @@ the chunking under the provider's limits, and the custom_id round trip."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from tests.fakes import USAGE, FakeClock, RecordingRecorder, fail, reply
 from tests.unit.test_pipeline import make, with_busy_slots
-from worker.contract import SearchSpec
+from worker.contract import DocumentIn, SearchSpec
 from worker.core.catalog import StoredDocument
 from worker.core.pipeline import RerankRun, as_stored, dump_prepared, load_prepared
 from worker.errors import AttemptOutcome, RerankAttemptError, RerankFailed
@@ -21,6 +22,7 @@ from worker.queue.economy import (
     position_of,
     submission_of,
 )
+from worker.runtime.inprocess import Runtime
 
 SPEC = SearchSpec(index="docs", query="volcano eruption ash", limit=3, include_trace=True)
 
@@ -91,14 +93,62 @@ def test_every_pick_deleted_since_falls_back_to_the_live_candidates() -> None:
 
 
 def test_a_prepared_search_survives_its_json_form() -> None:
+    """All but its candidates' metadata, which the finish reads again with their documents
+    (:func:`as_stored`); their texts here are shorter than the prompt's cut: whole."""
     pipeline, _, _ = make([])
     prepared = pipeline.prepare(SPEC, "acme")
     data = json.loads(json.dumps(dump_prepared(prepared)))
     again = load_prepared(pipeline, data)
     assert again.prompt == prepared.prompt
-    assert again.candidates == prepared.candidates
+    assert again.candidates == [
+        replace(c, document=replace(c.document, metadata={})) for c in prepared.candidates
+    ]
     assert again.trace == prepared.trace
     assert again.spec == prepared.spec
+
+
+#: Texts longer and shorter than a cut of 300 characters, ASCII and not, with runs of
+#: whitespace (a no-break and an ideographic space among them) and a bracketed number
+TEXTS = {
+    "long": "volcano ash [2] fell  on the\n\ntown, " * 200,
+    "short": "volcano ash, a short note",
+    "cjk": "volcano \u706b\u5c71\u7070\u3000\u5674\u706b " * 150,
+    "mixed": "volcano \u00e9ruption \U0001f30b\xa0\xa0 ash\t\t" * 100,
+    "spaces": "volcano" + " " * 5_000 + "ash " * 400,
+}
+
+
+def test_an_items_prompt_rebuilt_from_its_record_is_the_prompt_first_built() -> None:
+    """The record an economy item keeps while it waits at the provider holds each
+    candidate's text up to the prompt's cut (its :func:`~worker.core.policy.shown_head`),
+    not whole: the prompt rebuilt from it is the one first built, byte for byte, the
+    candidates' lines cut or not (texts longer and shorter than the cut, non-ASCII ones,
+    long runs of whitespace) and their ``truncated`` flags; so is it on a worker whose
+    ``SIFT_RERANK_CANDIDATE_MAX_CHARS`` differs (the cut the record names is the one its
+    heads were kept for), and the trace's texts, cut there too."""
+    pipeline, _, _ = make([], rerank_candidate_max_chars=300)
+    Runtime(pipeline).ingest(
+        "long", "acme", [DocumentIn(id=k, title=k, text=t) for k, t in TEXTS.items()]
+    )
+    spec = SearchSpec(index="long", query="volcano ash", limit=3, include_trace=True)
+    prepared = pipeline.prepare(spec, "acme")
+    assert prepared.prompt is not None and len(prepared.candidates) == len(TEXTS)
+    assert prepared.prompt.truncated.count(True) == 4  # all but the short one
+    data = json.loads(json.dumps(dump_prepared(prepared)))
+    kept = {c["id"]: c["text"] for c in data["candidates"]}
+    for key, text in TEXTS.items():
+        assert text.startswith(kept[key])
+        assert len(" ".join(kept[key].split())) <= 302, key  # the cut's, whole before
+    assert kept["short"] == TEXTS["short"]
+    assert len(" ".join(kept["long"].split())) == 301 and len(kept["spaces"]) > 5_000
+    assert len(json.dumps(data)) < 10_000  # 151 kB whole
+    other, _, _ = make([], rerank_candidate_max_chars=1_200)
+    for loader in (pipeline, other):
+        again = load_prepared(loader, data)
+        assert again.prompt is not None
+        assert again.prompt.user.encode() == prepared.prompt.user.encode()
+        assert again.prompt == prepared.prompt
+        assert again.trace == prepared.trace
 
 
 def test_an_item_s_trace_cuts_its_candidates_texts_as_stored_now_as_the_prompt_does() -> None:

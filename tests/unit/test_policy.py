@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import re
 
-from worker.core.policy import OUTPUT_SCHEMA, build_prompt, candidate_line, unmarked
+from worker.core.policy import OUTPUT_SCHEMA, build_prompt, candidate_line, shown_head, unmarked
 
 
 def test_prompt_numbers_candidates_and_marks_them_untrusted() -> None:
@@ -110,3 +110,26 @@ def test_a_line_read_from_its_texts_head_is_the_line_of_the_whole_text() -> None
             text,
             limit,
         )
+
+
+def test_a_line_built_from_its_texts_shown_head_is_the_line_of_the_whole_text() -> None:
+    """An economy item keeps each candidate's :func:`shown_head` while it waits at the
+    provider, not its text whole: the line built from the head is the whole text's, cut or
+    not, whatever the title, the runs of whitespace (ASCII and not: a no-break space, an
+    ideographic one) and the characters (accented, CJK, outside the BMP). The head starts
+    the text, holds as much of it as a trace shows (its first ``limit`` characters), and
+    collapsed it is ``limit + 2`` characters at most."""
+    rng = random.Random(11)
+    pieces = ["tea", "gr\u00fcn", "\u8336\u8449", "\U0001f375", "[2]", "\uff3b4\uff3d", " ", "   ",
+              "\n", "\t\t", "\xa0", "\u3000", "x" * 30]  # fmt: skip
+    for _ in range(3_000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(0, 60)))
+        if rng.random() < 0.1:
+            text = " " * rng.randrange(0, 200) + text
+        title = rng.choice(["", "Title [1]", "  ", "\u8336"])
+        limit = rng.randrange(2, 80)
+        head = shown_head(text, limit)
+        case = (title, text, limit)
+        assert candidate_line(5, title, head, limit) == candidate_line(5, title, text, limit), case
+        assert text.startswith(head) and head[:limit] == text[:limit], case
+        assert len(" ".join(head.split())) <= limit + 2, case

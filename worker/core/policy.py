@@ -81,6 +81,32 @@ def candidate_line(position: int, title: str, text: str, max_chars: int) -> tupl
     return f"[{position}] {unmarked(body)}", truncated
 
 
+_WORD = re.compile(r"\S+")  # what ``str.split()`` keeps: the same whitespace splits them
+
+
+def shown_head(text: str, max_chars: int) -> str:
+    """The head of a candidate's ``text`` that its line, cut to ``max_chars``, can show: the
+    line built from it is the line built from the whole text, whatever the title
+    (:func:`candidate_line`). That is the text up to the character one past the cut, its
+    whitespace collapsed (so the line built from the head is cut, and says so), or the whole
+    text when it is no longer: ``max_chars + 1`` characters where the text has no runs of
+    whitespace, more where it does.
+
+    >>> shown_head("word " * 1_000, 12), shown_head("a" + " " * 50 + "b c", 3)
+    ('word word wor', 'a                                                  b c')
+    >>> text = "tea,  green\\n" * 500
+    >>> candidate_line(1, "Tea", shown_head(text, 40), 40) == candidate_line(1, "Tea", text, 40)
+    True
+    """
+    shown = 0  # the length of the text collapsed up to the word before
+    for word in _WORD.finditer(text):
+        start = shown + 1 if shown else 0  # where the word starts, collapsed
+        shown = start + len(word[0])
+        if shown > max_chars:  # the word holds the character one past the cut, or follows it
+            return text[: word.start() + max(1, max_chars + 1 - start)]
+    return text
+
+
 def build_prompt(
     query: str,
     candidates: Sequence[tuple[str, str]],

@@ -12,6 +12,7 @@ from worker.constants import POLICY_ID
 from worker.contract import SearchResult, SearchSpec
 from worker.core.catalog import StoredDocument
 from worker.core.pipeline._hits import _trace_candidates
+from worker.core.policy import shown_head
 from worker.core.types import Candidate, Document, RerankPrompt
 
 if TYPE_CHECKING:
@@ -100,8 +101,14 @@ def dump_prepared(prepared: Prepared) -> dict[str, Any]:
     """A prepared search as JSON-able data, for a lane that finishes it later elsewhere.
 
     The prompt and the trace's candidate list are not stored: :func:`load_prepared` rebuilds
-    them from the candidates (the prompt is a pure function of them and the config).
+    them from the candidates (the prompt is a pure function of them, the config and the cut
+    its trace names, ``candidate_max_chars``). Nor are the candidates' documents whole: the
+    finish reads them again as their index holds them then (:func:`as_stored`), so each
+    keeps the head of its text its prompt line shows (:func:`~worker.core.policy.shown_head`)
+    and no metadata. Whole, an economy item waiting at the provider held up to 200
+    documents of 100,000 characters in Redis, which admission could not foresee.
     """
+    chars = int(prepared.trace["candidate_max_chars"])
     return {
         "spec": prepared.spec.model_dump(mode="json"),
         "policy": prepared.policy,
@@ -110,10 +117,10 @@ def dump_prepared(prepared: Prepared) -> dict[str, Any]:
         "candidates": [
             {
                 "id": c.document.id,
-                "text": c.document.text,
+                "text": shown_head(c.document.text, chars),
                 "title": c.document.title,
                 "revision": c.document.revision,
-                "metadata": dict(c.document.metadata),
+                "metadata": {},  # a worker of the release before reads it
                 "rrf_rank": c.rrf_rank,
                 "rrf_score": c.rrf_score,
                 "channel_ranks": c.channel_ranks,
@@ -126,8 +133,10 @@ def dump_prepared(prepared: Prepared) -> dict[str, Any]:
 
 def load_prepared(pipeline: SearchPipeline, data: Mapping[str, Any]) -> Prepared:
     """The inverse of :func:`dump_prepared`, with the prompt rebuilt by ``pipeline`` (of its
-    release's policy). ``policy`` stays the one the search was prepared under: a record
-    kept by a release before it was stored apart names it in its trace alone."""
+    release's policy), cut where the prompt first built was: the same prompt, whatever this
+    worker's ``SIFT_RERANK_CANDIDATE_MAX_CHARS``. ``policy`` stays the one the search was
+    prepared under: a record kept by a release before it was stored apart names it in its
+    trace alone."""
     spec = SearchSpec.model_validate(data["spec"])
     candidates = [
         Candidate(
@@ -146,9 +155,11 @@ def load_prepared(pipeline: SearchPipeline, data: Mapping[str, Any]) -> Prepared
         for c in data["candidates"]
     ]
     trace = dict(data["trace"])
-    prompt = pipeline.build_prompt(str(trace["query"]), spec, candidates)
-    # the cut of the prompt just built (an item prepared by an earlier release has none)
-    trace["candidate_max_chars"] = chars = pipeline.config.candidate_max_chars
+    # the cut of the prompt first built, which the candidates' heads were kept for; one an
+    # earlier release prepared may name none, and kept the texts whole
+    chars = int(trace.get("candidate_max_chars") or pipeline.config.candidate_max_chars)
+    trace["candidate_max_chars"] = chars
+    prompt = pipeline.build_prompt(str(trace["query"]), spec, candidates, chars)
     if spec.include_trace:
         trace["candidates"] = _trace_candidates(candidates, prompt, chars)
     policy = str(data.get("policy") or trace.get("policy") or POLICY_ID)

@@ -420,14 +420,20 @@ class SearchPipeline:
         return Prepared(spec, candidates, trace, prompt=prompt)
 
     def build_prompt(
-        self, query: str, spec: SearchSpec, candidates: Sequence[Candidate]
+        self,
+        query: str,
+        spec: SearchSpec,
+        candidates: Sequence[Candidate],
+        max_chars: int | None = None,
     ) -> RerankPrompt:
-        """The ``listwise.v1`` prompt for fused ``candidates``; a pure function of its inputs."""
+        """The ``listwise.v1`` prompt for fused ``candidates``; a pure function of its inputs.
+        Each candidate's line is cut to ``max_chars`` characters, by default this worker's
+        ``SIFT_RERANK_CANDIDATE_MAX_CHARS``."""
         return build_prompt(
             query,
             [(c.document.title, c.document.text) for c in candidates],
             k=spec.limit,
-            max_chars=self.config.candidate_max_chars,
+            max_chars=max_chars or self.config.candidate_max_chars,
             thinking_tokens=self.config.thinking_tokens,
             tokens_per_position=self.config.tokens_per_position,
         )
