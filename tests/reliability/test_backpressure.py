@@ -9,6 +9,7 @@ import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -255,6 +256,22 @@ def test_a_batch_that_would_fill_redis_is_refused_and_one_that_fits_ends(
             assert int(r.info("memory")["used_memory"]) < limit
 
 
+@contextmanager
+def _stack(
+    tmp_path: Path, model: FakeAnthropic, **settings: str
+) -> Iterator[tuple[redis.Redis, httpx.Client]]:
+    """Redis, a gateway and one worker on the fake model (with ``settings`` besides): the
+    stack's Redis and a client of its gateway."""
+    with redis_server(tmp_path / "redis") as base, redis.Redis.from_url(base + "/0") as r:
+        env = stack_env(base + "/0", model.url, **settings)
+        with (
+            gateway(tmp_path / "g", env) as gw,
+            httpx.Client(base_url=gw, timeout=90) as client,
+            celery_worker(tmp_path / "w", env, "w1"),
+        ):
+            yield r, client
+
+
 def _documents(index: str, text: str, n: int, client: httpx.Client) -> None:
     """Upsert ``n`` documents of ``text`` (ids ``d0``...) into the caller's ``index``, to the
     end of the job: its worker records the index's size before the job reads as done."""
@@ -281,71 +298,62 @@ def test_a_batch_s_hits_are_priced_by_what_its_index_s_documents_hold(
     this one once its documents are replaced by short ones, is admitted and runs. A single
     search is priced the same way, as a batch of one: 50 hits over those documents (2.5 MB)
     are refused, where it was admitted with nothing added; 50 over short ones are taken."""
-    with redis_server(tmp_path / "redis") as base, redis.Redis.from_url(base + "/0") as r:
-        url = base + "/0"
-        env = stack_env(url, model.url)
-        with (
-            gateway(tmp_path / "g", env) as gw,
-            httpx.Client(base_url=gw, timeout=90) as client,
-            celery_worker(tmp_path / "w", env, "w1"),
-        ):
-            ingest(client)  # the sample corpus: short documents
-            _documents("long", "chess kasparov opening " + "x" * 49_977, 50, client)
-            limit = 20_000_000
-            used = int(r.info("memory")["used_memory"])
-            r.setrange("ballast", int(0.8 * limit) - used, b"x")  # grown in place
-            r.config_set("maxmemory", limit)
-            time.sleep(READ_EVERY_SECONDS)  # the gateway's next request reads it again
+    with _stack(tmp_path, model) as (r, client):
+        ingest(client)  # the sample corpus: short documents
+        _documents("long", "chess kasparov opening " + "x" * 49_977, 50, client)
+        limit = 20_000_000
+        used = int(r.info("memory")["used_memory"])
+        r.setrange("ballast", int(0.8 * limit) - used, b"x")  # grown in place
+        r.config_set("maxmemory", limit)
+        time.sleep(READ_EVERY_SECONDS)  # the gateway's next request reads it again
 
-            def batch(index: str) -> httpx.Response:
-                queries = [
-                    {"id": f"q{i}", "query": "chess kasparov", "limit": 10} for i in range(10)
-                ]
-                body = {"index": index, "rerank": False, "queries": queries}
-                return client.post("/v1/batches", json=body, headers=ACME)
+        def batch(index: str) -> httpx.Response:
+            queries = [{"id": f"q{i}", "query": "chess kasparov", "limit": 10} for i in range(10)]
+            body = {"index": index, "rerank": False, "queries": queries}
+            return client.post("/v1/batches", json=body, headers=ACME)
 
-            refused = batch("long")
-            assert refused.status_code == 503, refused.text
-            error = refused.json()["error"]
-            assert error["type"] == "job_store_full", error
-            assert "this batch of 10 queries" in error["message"], error
-            assert "index 'long'" in error["message"], error
+        refused = batch("long")
+        assert refused.status_code == 503, refused.text
+        error = refused.json()["error"]
+        assert error["type"] == "job_store_full", error
+        assert "this batch of 10 queries" in error["message"], error
+        assert "index 'long'" in error["message"], error
 
-            def search(index: str) -> httpx.Response:
-                body = {"index": index, "query": "chess kasparov", "limit": 50, "rerank": False}
-                return client.post("/v1/searches", json=body, headers=ACME)
+        def search(index: str) -> httpx.Response:
+            body = {"index": index, "query": "chess kasparov", "limit": 50, "rerank": False}
+            return client.post("/v1/searches", json=body, headers=ACME)
 
-            alone = search("long")
-            assert alone.status_code == 503, alone.text
-            error = alone.json()["error"]
-            assert error["type"] == "job_store_full", error
-            assert "this search" in error["message"], error
-            assert "up to 50 hits over index 'long'" in error["message"], error
-            assert search(INDEX).status_code == 202
-            taken = [batch(INDEX)]
-            _documents("long", "chess kasparov opening", 50, client)  # the same ids, short
-            taken.append(batch("long"))
-            for answer in taken:
-                assert answer.status_code == 202, answer.text
-            wait_for(
-                lambda: all(
-                    batch_counts(client, a.json()["id"])["status"] == "succeeded" for a in taken
-                ),
-                "the two batches' end",
-            )
-            assert int(r.info("memory")["used_memory"]) < 0.9 * limit
-            # the figure follows every write: an upsert's, a delete's, a drop's
-            size = f"{INDEX_SIZE_KEY}acme:long"
-            short = len("chess kasparov opening") + len("{}")  # its text and metadata
-            assert r.hgetall(size) == {b"documents": b"50", b"bytes": b"%d" % (50 * short)}
-            ids = {"ids": [f"d{i}" for i in range(10)]}
-            path = "/v1/indexes/long/documents/delete"
-            deleted = client.post(path, params={"wait": 30}, json=ids, headers=ACME)
-            assert deleted.status_code == 200, deleted.text
-            assert r.hgetall(size) == {b"documents": b"40", b"bytes": b"%d" % (40 * short)}
-            dropped = client.delete("/v1/indexes/long", params={"wait": 30}, headers=ACME)
-            assert dropped.status_code == 200, dropped.text
-            assert not r.exists(size)
+        alone = search("long")
+        assert alone.status_code == 503, alone.text
+        error = alone.json()["error"]
+        assert error["type"] == "job_store_full", error
+        assert "this search" in error["message"], error
+        assert "up to 50 hits over index 'long'" in error["message"], error
+        assert search(INDEX).status_code == 202
+        taken = [batch(INDEX)]
+        _documents("long", "chess kasparov opening", 50, client)  # the same ids, short
+        taken.append(batch("long"))
+        for answer in taken:
+            assert answer.status_code == 202, answer.text
+        wait_for(
+            lambda: all(
+                batch_counts(client, a.json()["id"])["status"] == "succeeded" for a in taken
+            ),
+            "the two batches' end",
+        )
+        assert int(r.info("memory")["used_memory"]) < 0.9 * limit
+        # the figure follows every write: an upsert's, a delete's, a drop's
+        size = f"{INDEX_SIZE_KEY}acme:long"
+        short = len("chess kasparov opening") + len("{}")  # its text and metadata
+        assert r.hgetall(size) == {b"documents": b"50", b"bytes": b"%d" % (50 * short)}
+        ids = {"ids": [f"d{i}" for i in range(10)]}
+        path = "/v1/indexes/long/documents/delete"
+        deleted = client.post(path, params={"wait": 30}, json=ids, headers=ACME)
+        assert deleted.status_code == 200, deleted.text
+        assert r.hgetall(size) == {b"documents": b"40", b"bytes": b"%d" % (40 * short)}
+        dropped = client.delete("/v1/indexes/long", params={"wait": 30}, headers=ACME)
+        assert dropped.status_code == 200, dropped.text
+        assert not r.exists(size)
 
 
 def test_a_traced_search_is_priced_with_its_trace_s_candidates(
@@ -359,37 +367,28 @@ def test_a_traced_search_is_priced_with_its_trace_s_candidates(
     same search of 50 hits is (found by review rev23b: priced 54.8 kB, stored 2.56 MB; a
     batch of 40 such items priced 2.2 MB with 10 MB of room filled Redis, its items'
     finishes refused OutOfMemoryError), and the same search untraced is taken."""
-    with redis_server(tmp_path / "redis") as base, redis.Redis.from_url(base + "/0") as r:
-        url = base + "/0"
-        env = stack_env(url, model.url, SIFT_RERANK_CANDIDATE_MAX_CHARS="50000")
-        with (
-            gateway(tmp_path / "g", env) as gw,
-            httpx.Client(base_url=gw, timeout=90) as client,
-            celery_worker(tmp_path / "w", env, "w1"),
-        ):
-            _documents("long", "chess kasparov opening " + "x" * 49_977, 50, client)
-            limit = 20_000_000
-            used = int(r.info("memory")["used_memory"])
-            r.setrange("ballast", int(0.8 * limit) - used, b"x")  # grown in place
-            r.config_set("maxmemory", limit)
-            time.sleep(READ_EVERY_SECONDS)  # the gateway's next request reads it again
-            body = {
-                "index": "long",
-                "query": "chess kasparov",
-                "limit": 1,
-                "rerank": True,
-                "include_trace": True,
-                "candidate_limit": 50,
-            }
-            traced = client.post("/v1/searches", json=body, headers=ACME)
-            assert traced.status_code == 503, traced.text
-            error = traced.json()["error"]
-            assert error["type"] == "job_store_full", error
-            assert "up to 1 hits and 50 trace candidates over index 'long'" in error["message"]
-            untraced = client.post(
-                "/v1/searches", json={**body, "include_trace": False}, headers=ACME
-            )
-            assert untraced.status_code == 202, untraced.text  # its 1 hit fits the room
+    with _stack(tmp_path, model, SIFT_RERANK_CANDIDATE_MAX_CHARS="50000") as (r, client):
+        _documents("long", "chess kasparov opening " + "x" * 49_977, 50, client)
+        limit = 20_000_000
+        used = int(r.info("memory")["used_memory"])
+        r.setrange("ballast", int(0.8 * limit) - used, b"x")  # grown in place
+        r.config_set("maxmemory", limit)
+        time.sleep(READ_EVERY_SECONDS)  # the gateway's next request reads it again
+        body = {
+            "index": "long",
+            "query": "chess kasparov",
+            "limit": 1,
+            "rerank": True,
+            "include_trace": True,
+            "candidate_limit": 50,
+        }
+        traced = client.post("/v1/searches", json=body, headers=ACME)
+        assert traced.status_code == 503, traced.text
+        error = traced.json()["error"]
+        assert error["type"] == "job_store_full", error
+        assert "up to 1 hits and 50 trace candidates over index 'long'" in error["message"]
+        untraced = client.post("/v1/searches", json={**body, "include_trace": False}, headers=ACME)
+        assert untraced.status_code == 202, untraced.text  # its 1 hit fits the room
 
 
 def test_a_trace_holds_the_text_its_model_was_shown_within_its_search_s_price(
@@ -402,41 +401,34 @@ def test_a_trace_holds_the_text_its_model_was_shown_within_its_search_s_price(
     candidates: a traced search of 1 hit and 50 candidates over documents of 50,000
     characters stores no more than its admission priced (kept in its record as
     ``owed_bytes``), each of its trace's candidates the head of its document."""
-    with redis_server(tmp_path / "redis") as base, redis.Redis.from_url(base + "/0") as r:
-        url = base + "/0"
-        env = stack_env(url, model.url)
-        with (
-            gateway(tmp_path / "g", env) as gw,
-            httpx.Client(base_url=gw, timeout=90) as client,
-            celery_worker(tmp_path / "w", env, "w1"),
-        ):
-            text = "chess kasparov opening " + "x" * 49_977
-            _documents("long", text, 50, client)
-            r.config_set("maxmemory", 1 << 30)  # admission prices each job by its index
-            time.sleep(READ_EVERY_SECONDS)  # the gateway's next request reads it again
-            body = {
-                "index": "long",
-                "query": "chess kasparov",
-                "limit": 1,
-                "rerank": True,
-                "include_trace": True,
-                "candidate_limit": 50,
-            }
-            made = client.post("/v1/searches", json=body, params={"wait": 30}, headers=ACME)
-            assert made.status_code == 200, made.text
-            search = made.json()
-            assert search["status"] == "succeeded", search
-            record = SEARCH_KEY + search["id"]
-            priced = int(r.hget(record, "owed_bytes") or 0)
-            stored = int(r.hstrlen(record, "result"))
-            assert 0 < stored <= priced, (stored, priced)  # 123 kB for 157 kB priced
-            trace = search["result"]["trace"]
-            assert len(trace["candidates"]) == 50
-            for candidate in trace["candidates"]:
-                assert candidate["text"] == text[:1_200], candidate["text"][:40]
-                assert candidate["truncated"] is True
-            assert trace["candidate_max_chars"] == 1_200
-            assert search["result"]["hits"][0]["text"] == text  # the hit's, whole
+    with _stack(tmp_path, model) as (r, client):
+        text = "chess kasparov opening " + "x" * 49_977
+        _documents("long", text, 50, client)
+        r.config_set("maxmemory", 1 << 30)  # admission prices each job by its index
+        time.sleep(READ_EVERY_SECONDS)  # the gateway's next request reads it again
+        body = {
+            "index": "long",
+            "query": "chess kasparov",
+            "limit": 1,
+            "rerank": True,
+            "include_trace": True,
+            "candidate_limit": 50,
+        }
+        made = client.post("/v1/searches", json=body, params={"wait": 30}, headers=ACME)
+        assert made.status_code == 200, made.text
+        search = made.json()
+        assert search["status"] == "succeeded", search
+        record = SEARCH_KEY + search["id"]
+        priced = int(r.hget(record, "owed_bytes") or 0)
+        stored = int(r.hstrlen(record, "result"))
+        assert 0 < stored <= priced, (stored, priced)  # 123 kB for 157 kB priced
+        trace = search["result"]["trace"]
+        assert len(trace["candidates"]) == 50
+        for candidate in trace["candidates"]:
+            assert candidate["text"] == text[:1_200], candidate["text"][:40]
+            assert candidate["truncated"] is True
+        assert trace["candidate_max_chars"] == 1_200
+        assert search["result"]["hits"][0]["text"] == text  # the hit's, whole
 
 
 def _oom_refusals(r: redis.Redis) -> int:
@@ -455,38 +447,31 @@ def test_a_batch_admitted_at_the_line_s_edge_ends_under_it_with_what_redis_holds
     running (at 89.5 %, Redis was left at 90.6 %, past the line new jobs are refused past).
     Priced as Redis holds them, the batch ends, no write refused, and once those buffers are
     freed Redis holds less than 90 %."""
-    with redis_server(tmp_path / "redis") as base, redis.Redis.from_url(base + "/0") as r:
-        url = base + "/0"
-        env = stack_env(url, model.url)
-        with (
-            gateway(tmp_path / "g", env) as gw,
-            httpx.Client(base_url=gw, timeout=90) as client,
-            celery_worker(tmp_path / "w", env, "w1"),
-        ):
-            _documents("long", "chess kasparov opening " + "x" * 29_977, 12, client)
-            size = r.hgetall(f"{INDEX_SIZE_KEY}acme:long")
-            per_hit = hit_bytes((int(size[b"documents"]), int(size[b"bytes"])))
-            price = results_bytes(12, 12 * 12, per_hit=per_hit)  # and its specs, some 3 kB
-            limit = int((int(r.info("memory")["used_memory"]) + price) / 0.885)
-            r.config_set("maxmemory", limit)
-            time.sleep(READ_EVERY_SECONDS)  # the gateway's next request reads it again
-            queries = [{"id": f"q{i}", "query": "chess kasparov", "limit": 12} for i in range(12)]
-            body = {"index": "long", "rerank": False, "queries": queries}
-            taken = client.post("/v1/batches", json=body, headers=ACME)
-            assert taken.status_code == 202, taken.text
+    with _stack(tmp_path, model) as (r, client):
+        _documents("long", "chess kasparov opening " + "x" * 29_977, 12, client)
+        size = r.hgetall(f"{INDEX_SIZE_KEY}acme:long")
+        per_hit = hit_bytes((int(size[b"documents"]), int(size[b"bytes"])))
+        price = results_bytes(12, 12 * 12, per_hit=per_hit)  # and its specs, some 3 kB
+        limit = int((int(r.info("memory")["used_memory"]) + price) / 0.885)
+        r.config_set("maxmemory", limit)
+        time.sleep(READ_EVERY_SECONDS)  # the gateway's next request reads it again
+        queries = [{"id": f"q{i}", "query": "chess kasparov", "limit": 12} for i in range(12)]
+        body = {"index": "long", "rerank": False, "queries": queries}
+        taken = client.post("/v1/batches", json=body, headers=ACME)
+        assert taken.status_code == 202, taken.text
 
-            def status() -> str:
-                return str(batch_counts(client, taken.json()["id"])["status"])
+        def status() -> str:
+            return str(batch_counts(client, taken.json()["id"])["status"])
 
-            wait_for(lambda: status() == "succeeded" or _oom_refusals(r) > 0, "the batch's end")
-            assert _oom_refusals(r) == 0 and status() == "succeeded", r.info("errorstats")
+        wait_for(lambda: status() == "succeeded" or _oom_refusals(r) > 0, "the batch's end")
+        assert _oom_refusals(r) == 0 and status() == "succeeded", r.info("errorstats")
 
-            def buffers_freed() -> bool:  # each result was read into one, freed by Redis's cron
-                return all(int(c["qbuf"]) + int(c["qbuf-free"]) < 32_768 for c in r.client_list())
+        def buffers_freed() -> bool:  # each result was read into one, freed by Redis's cron
+            return all(int(c["qbuf"]) + int(c["qbuf-free"]) < 32_768 for c in r.client_list())
 
-            wait_for(buffers_freed, "the connections' buffers freed")
-            held = int(r.info("memory")["used_memory"])
-            assert held < 0.9 * limit, (held / limit, price, limit)
+        wait_for(buffers_freed, "the connections' buffers freed")
+        held = int(r.info("memory")["used_memory"])
+        assert held < 0.9 * limit, (held / limit, price, limit)
 
 
 def _waiting_text(i: int) -> str:
@@ -582,34 +567,27 @@ def test_an_economy_batch_is_priced_with_what_its_items_keep_while_they_wait(
     of 50,000 characters (1 MB of results, and 1.5 MB kept while they wait) are refused,
     naming those candidates; the same batch in the standard lane, which keeps none of it,
     is taken."""
-    with redis_server(tmp_path / "redis") as base, redis.Redis.from_url(base + "/0") as r:
-        url = base + "/0"
-        env = stack_env(url, model.url)
-        with (
-            gateway(tmp_path / "g", env) as gw,
-            httpx.Client(base_url=gw, timeout=90) as client,
-            celery_worker(tmp_path / "w", env, "w1"),
-        ):
-            _documents("long", "chess kasparov opening " + "x" * 49_977, 50, client)
-            limit = 20_000_000  # 2 MB of room: the standard batch 1.3 MB, the economy 3.2
-            used = int(r.info("memory")["used_memory"])
-            # in values of 64 kB, a size class of their own: one string of 15 MB is held in
-            # jemalloc's next class up, some 2 MB more, and took the room the test leaves
-            with r.pipeline(transaction=False) as fill:
-                for i in range((int(0.8 * limit) - used) // 65_536):
-                    fill.set(f"ballast:{i}", b"x" * 65_000)
-                fill.execute()
-            r.config_set("maxmemory", limit)
-            time.sleep(READ_EVERY_SECONDS)  # the gateway's next request reads it again
-            queries = [{"id": f"q{i}", "query": "chess kasparov", "limit": 1} for i in range(20)]
-            body = {"index": "long", "rerank": True, "candidate_limit": 50, "queries": queries}
-            economy = client.post("/v1/batches", json={**body, "lane": "economy"}, headers=ACME)
-            assert economy.status_code == 503, economy.text
-            error = economy.json()["error"]
-            assert error["type"] == "job_store_full", error
-            assert (
-                "up to 20 hits and 1000 candidates kept while waiting at the provider over "
-                "index 'long'" in error["message"]
-            ), error
-            standard = client.post("/v1/batches", json=body, headers=ACME)
-            assert standard.status_code == 202, standard.text
+    with _stack(tmp_path, model) as (r, client):
+        _documents("long", "chess kasparov opening " + "x" * 49_977, 50, client)
+        limit = 20_000_000  # 2 MB of room: the standard batch 1.3 MB, the economy 3.2
+        used = int(r.info("memory")["used_memory"])
+        # in values of 64 kB, a size class of their own: one string of 15 MB is held in
+        # jemalloc's next class up, some 2 MB more, and took the room the test leaves
+        with r.pipeline(transaction=False) as fill:
+            for i in range((int(0.8 * limit) - used) // 65_536):
+                fill.set(f"ballast:{i}", b"x" * 65_000)
+            fill.execute()
+        r.config_set("maxmemory", limit)
+        time.sleep(READ_EVERY_SECONDS)  # the gateway's next request reads it again
+        queries = [{"id": f"q{i}", "query": "chess kasparov", "limit": 1} for i in range(20)]
+        body = {"index": "long", "rerank": True, "candidate_limit": 50, "queries": queries}
+        economy = client.post("/v1/batches", json={**body, "lane": "economy"}, headers=ACME)
+        assert economy.status_code == 503, economy.text
+        error = economy.json()["error"]
+        assert error["type"] == "job_store_full", error
+        assert (
+            "up to 20 hits and 1000 candidates kept while waiting at the provider over "
+            "index 'long'" in error["message"]
+        ), error
+        standard = client.post("/v1/batches", json=body, headers=ACME)
+        assert standard.status_code == 202, standard.text
