@@ -61,7 +61,11 @@ def test_an_index_read_overtakes_queued_searches_and_a_late_one_is_dropped(
             assert _queued(broker) == 0
             assert list(broker.scan_iter(INDEX_REPLY_KEY + "*")) == []
             # frozen while the backlog and the next read are queued, so the read's 10 s are
-            # not spent on the worker's start (the first read's were, on a loaded machine)
+            # not spent on the worker's start (the first read's were, on a loaded machine);
+            # once its warm-up has built its runtime and loaded the model: frozen midway, the
+            # warm-up went on after SIGCONT and the read waited for the runtime it was building
+            # (3 s idle, 21 s on a loaded host: the last CI's 503; now 0.06 s and 0.13 s)
+            wait_for(lambda: "loaded embedding model" in log.read_text(), "the worker's warm-up")
             worker.send_signal(signal.SIGSTOP)
             try:
                 stack.model.configure(hold_unscripted=True)  # every search's model call held
