@@ -178,3 +178,38 @@ def test_a_batch_erased_since_its_run_is_sent_again_as_a_new_one(
     third = _sift(stack.live_url, *args)
     assert third.exit_code == 0 and "picked up" in third.output, third.output
     assert set(_batches(stack, stack.live_url)) - set(before) == made
+
+
+def test_a_batch_whose_cancel_canceled_nothing_is_picked_up_again(
+    stack: Stack, corpus: object, queries: list[str], tmp_path: Path
+) -> None:
+    """A cancel that comes while every item is with the model cancels none of them: they
+    finish, and the batch ends ``succeeded`` with every result, its ``canceled_at`` set (a
+    Ctrl-C of ``sift batch`` a second in). A run again picks it up. Before, any batch with a
+    ``canceled_at`` was passed over: the file was sent as a new batch, each item searched
+    and paid for twice."""
+    count = 4
+    source, out = _queries(tmp_path, queries, "uncanceled", count), tmp_path / "results.jsonl"
+    args = ["batch", str(source), "--index", INDEX, "--out", str(out), "--rerank"]
+    before = _batches(stack, stack.live_url)
+    received = stack.model.counts()["received"]
+    stack.model.configure(hold_unscripted=True)
+    try:
+        first, _ = _killed_after_submit(stack.live_url, args)
+        deadline = time.monotonic() + 60  # a hang guard, not a speed check
+        while stack.model.counts()["received"] < received + count:  # every item's call held
+            assert time.monotonic() < deadline, stack.model.counts()
+            time.sleep(0.05)
+        canceled = stack.live.delete(f"/v1/batches/{first}", headers=ACME)
+        assert canceled.status_code == 200 and canceled.json()["status"] == "running"
+    finally:
+        stack.model.configure(hold_unscripted=False)
+    again = _sift(stack.live_url, *args)
+    assert again.exit_code == 0, again.output
+    assert f"batch {first}" in again.output and "picked up" in again.output, again.output
+    ended = stack.live.get(f"/v1/batches/{first}", headers=ACME).json()
+    assert ended["status"] == "succeeded" and ended["canceled_at"], ended
+    assert set(_batches(stack, stack.live_url)) - set(before) == {first}  # one batch, not two
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["query_id"] for r in written) == sorted(f"uncanceled{i}" for i in range(count))
+    assert {r["status"] for r in written} == {"succeeded"}

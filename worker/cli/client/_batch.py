@@ -181,8 +181,10 @@ def submit(client: Gateway, body: dict[str, Any], key: str) -> tuple[dict[str, A
     """Send the batch with the ``Idempotency-Key`` ``key``, again through a gateway or Redis
     restart; answers it and whether an earlier run made it (picked up). A batch of this
     body canceled since its run is not picked up: the file is sent again, as the next batch
-    of the chain of keys. So is one erased since (``sift erase``), said on stderr: its key
-    answers ``410 erased`` for its 24 hours, and the run failed with that bare answer."""
+    of the chain of keys. One whose cancel caught no item (each was past its model call)
+    ends ``succeeded`` with every result, and is picked up once it has ended. A batch erased
+    since (``sift erase``) is not, said on stderr: its key answers ``410 erased`` for its 24
+    hours, and the run failed with that bare answer."""
     # one key for every resend: a submit whose answer was lost (the gateway restarting) is
     # answered with the batch it made, never made twice. A send whose gateway died between
     # claiming the key and making the batch leaves it 409 "in progress" for the pending
@@ -205,7 +207,13 @@ def submit(client: Gateway, body: dict[str, Any], key: str) -> tuple[dict[str, A
             json_of(response, "POST", "/v1/batches"), "POST", "/v1/batches", ("id", "status")
         )
         replayed = response.headers.get("Idempotent-Replayed") == "true"
-        if not (replayed and batch.get("canceled_at")):
+        if replayed and batch.get("canceled_at") and batch.get("status") not in FINAL_STATUSES:
+            # its items past their model call finish: canceled only if the cancel caught one
+            _err().print(f"batch {batch['id']}: an earlier run's, canceled at "
+                         f"{batch['canceled_at']}; waiting for its end to see if it finished "
+                         "all the same", soft_wrap=True)  # fmt: skip
+            batch = client.poll(f"/v1/batches/{batch['id']}")
+        if not (replayed and batch.get("status") == "canceled"):
             return batch, replayed
         key = _key_after(key, str(batch["id"]))
 
