@@ -213,3 +213,28 @@ def test_a_batch_whose_cancel_canceled_nothing_is_picked_up_again(
     written = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["query_id"] for r in written) == sorted(f"uncanceled{i}" for i in range(count))
     assert {r["status"] for r in written} == {"succeeded"}
+
+
+def test_a_canceled_batch_erased_since_leaves_the_batch_sent_after_it_to_pick_up(
+    stack: Stack, queries: list[str], tmp_path: Path
+) -> None:
+    """On the gateway no worker serves: the first run's batch canceled, a run again sends
+    the file as a second batch; the canceled one erased then (tidying what was canceled), a
+    third run picks up the second, as it did before the erase. Before, the erased batch's
+    key sent the file as a third batch, each item searched and paid for again."""
+    source, out = _queries(tmp_path, queries, "tidied"), tmp_path / "results.jsonl"
+    args = ["batch", str(source), "--index", INDEX, "--out", str(out)]
+    before = _batches(stack, stack.idle_url)
+    first, _ = _killed_after_submit(stack.idle_url, args)
+    canceled = stack.idle.delete(f"/v1/batches/{first}", headers=ACME)
+    assert canceled.status_code == 200 and canceled.json()["status"] == "canceled"
+    second, _ = _killed_after_submit(stack.idle_url, args)
+    assert second != first
+    erased = stack.idle.delete(f"/v1/batches/{first}/results", headers=ACME)
+    assert erased.status_code == 200, erased.text
+    try:
+        assert _killed_after_submit(stack.idle_url, args)[0] == second
+    finally:
+        for made in set(_batches(stack, stack.idle_url)) - set(before):
+            stack.idle.delete(f"/v1/batches/{made}", headers=ACME)
+    assert set(_batches(stack, stack.idle_url)) - set(before) == {second}

@@ -145,11 +145,14 @@ def batch_key(body: dict[str, Any]) -> str:
     return "sift-batch-" + hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def _key_after(key: str, canceled: str) -> str:
-    """The key to send once ``key`` answered ``canceled``, a batch canceled since (or
-    ``"erased"``, a batch erased since): a key of its own, the same for every run again, so
-    the file's next batch is made once too."""
-    return "sift-batch-" + hashlib.sha256(f"{key} {canceled}".encode()).hexdigest()
+def _key_after(key: str) -> str:
+    """The key to send once ``key`` answered a batch canceled since, or ``410 erased``: the
+    next of the file's chain of keys, the same for every run again, so the file's next batch
+    is made once too. The same whether its batch was canceled or erased: a canceled batch
+    erased since still leads to the batch sent after it (a key derived from the canceled
+    batch's id could not be found again once it was erased). Derived as an erased batch's
+    was, so a chain an earlier release made past an erased batch is still followed."""
+    return "sift-batch-" + hashlib.sha256(f"{key} erased".encode()).hexdigest()
 
 
 def parts_to_fit(size: int, limit: int) -> int:
@@ -201,7 +204,7 @@ def submit(client: Gateway, body: dict[str, Any], key: str) -> tuple[dict[str, A
                 raise
             _err().print(f"an earlier run's batch of this file was erased ({exc.message}); "
                          "sending the file as a new batch", soft_wrap=True)  # fmt: skip
-            key = _key_after(key, "erased")
+            key = _key_after(key)
             continue
         batch = sift_answer(
             json_of(response, "POST", "/v1/batches"), "POST", "/v1/batches", ("id", "status")
@@ -215,7 +218,7 @@ def submit(client: Gateway, body: dict[str, Any], key: str) -> tuple[dict[str, A
             batch = client.poll(f"/v1/batches/{batch['id']}")
         if not (replayed and batch.get("status") == "canceled"):
             return batch, replayed
-        key = _key_after(key, str(batch["id"]))
+        key = _key_after(key)
 
 
 def _sweep_partials(out: Path) -> None:
