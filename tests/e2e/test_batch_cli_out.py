@@ -58,6 +58,28 @@ def test_an_out_that_cannot_be_written_is_refused_before_the_batch_is_sent(
     assert batch_ids(stack) == before  # no batch made, nothing spent
 
 
+@pytest.mark.parametrize("named", ["as given", "through a symlinked folder"])
+def test_an_out_naming_the_queries_file_is_refused_before_the_batch_is_sent(
+    stack: Stack, corpus: list[dict[str, object]], tmp_path: Path, named: str
+) -> None:
+    """The results would replace the queries, which no results line holds: the file was
+    lost, and the command it said to run again then read results as queries."""
+    queries = tmp_path / "queries.jsonl"
+    text = (SAMPLE / "sample_queries.jsonl").read_text()
+    queries.write_text(text)
+    out = queries
+    if named == "through a symlinked folder":
+        (tmp_path / "link").symlink_to(tmp_path)
+        out = tmp_path / "link" / "queries.jsonl"
+    before = batch_ids(stack)
+    result = sift(stack, "batch", str(queries), "--index", INDEX, "--out", str(out))
+    assert result.exit_code == 1, result.output
+    said = " ".join(result.output.split())
+    assert f"--out: {out} is the queries file" in said and "nothing was sent" in said, said
+    assert queries.read_text() == text
+    assert batch_ids(stack) == before  # no batch made, nothing spent
+
+
 def test_an_out_in_a_new_folder_is_written(
     stack: Stack, corpus: list[dict[str, object]], tmp_path: Path
 ) -> None:

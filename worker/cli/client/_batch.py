@@ -121,12 +121,17 @@ def _batch_done(batch: dict[str, Any]) -> bool:
     return isinstance(total, int) and total > 0 and finished >= total
 
 
-def _check_out(out: Path) -> None:
+def _check_out(out: Path, queries: Path) -> None:
     """Refuse a results path that cannot be written (a folder, a path under a file, a place
     this user may not write) before the batch is sent: the items would run, and be paid for,
-    with nowhere to put their results. Creates its missing folders."""
+    with nowhere to put their results. So is the queries file itself (the folder's entry
+    the results replace), whose queries no results line holds. Creates its missing folders."""
     if out.is_dir():
         raise InputError(f"--out: {out} is a folder, not a file; nothing was sent")
+    if out.parent.resolve() / out.name == queries.parent.resolve() / queries.name:
+        raise InputError(
+            f"--out: {out} is the queries file: the results would replace it; nothing was sent"
+        )
     why = why_unwritable(out, make_folders=True)
     if why is not None:
         raise InputError(f"--out: cannot write {out} ({why}); nothing was sent")
@@ -338,7 +343,7 @@ def batch(
                 raise InputError(
                     f"{queries}: {len(items)} queries; a batch holds {MAX_BATCH_QUERIES}"
                 )
-            _check_out(out)
+            _check_out(out, queries)
         for item in items:
             if limit is not None:
                 item.setdefault("limit", limit)
