@@ -173,6 +173,27 @@ class DocumentRequest(DocumentIn):
     metadata: Annotated[Metadata, Field(max_length=MAX_METADATA_KEYS)] = Field(default_factory=dict)
 
 
+def from_beir(line: dict[str, Any]) -> dict[str, Any]:
+    """A BEIR ``corpus.jsonl`` line (``_id``, ``title``, ``text``; its optional metadata is
+    not Sift's) as a document's fields, a text it leaves out left out (``Field required``).
+    A document with a title and no text (an empty or blank one: TREC-COVID's papers with no
+    abstract) has its title as its text, so it is indexed and searched: its line was refused
+    (``field 'text'``), and ``--skip-invalid`` dropped it from the index and every score.
+
+    >>> from_beir({"_id": "d1", "title": "Aspirin", "text": ""})
+    {'id': 'd1', 'title': '', 'text': 'Aspirin'}
+    >>> from_beir({"_id": "d2", "title": None, "text": " "}), from_beir({"_id": "d3"})
+    ({'id': 'd2', 'title': '', 'text': ' '}, {'id': 'd3', 'title': ''})
+    """
+    document = {"id": line["_id"], "title": line.get("title") or ""}
+    if "text" not in line:
+        return document
+    text, title = line["text"], document["title"]
+    if isinstance(text, str) and is_blank(text) and isinstance(title, str) and not is_blank(title):
+        return document | {"title": "", "text": title}
+    return document | {"text": text}
+
+
 def is_blank(value: str) -> bool:
     """Whether ``value`` has no visible character: whitespace (Z*), controls (Cc, ``\0``) and
     format characters (Cf: a zero-width space, a soft hyphen, a BOM) do not count;

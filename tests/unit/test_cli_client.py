@@ -248,6 +248,32 @@ def test_ingest_beir_corpus_in_batches(fake_gateway: FakeGateway, tmp_path: Path
     assert "indexed 5 document(s) into scifact" in result.output
 
 
+def test_a_beir_document_with_a_title_and_no_text_is_sent_with_its_title_as_its_text(
+    fake_gateway: FakeGateway, tmp_path: Path
+) -> None:
+    """BEIR corpora hold documents with a title and an empty text (TREC-COVID's papers with
+    no abstract): each line was refused (``field 'text'``), and ``--skip-invalid`` dropped
+    the documents from the index and from every score. Sift's own shape keeps its rule."""
+    rows = [
+        {"_id": "d0", "title": "Aspirin and COVID-19", "text": ""},
+        {"_id": "d1", "title": "Masks", "text": " \n"},
+        {"_id": "d2", "title": "T2", "text": "text 2"},
+    ]
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", rows)
+    result = run(fake_gateway, "ingest", str(corpus), "--index", "trec")
+    assert result.exit_code == 0, result.output
+    [batch] = fake_gateway.posted("/v1/indexes/trec/documents")
+    assert batch["documents"] == [
+        {"id": "d0", "title": "", "text": "Aspirin and COVID-19", "metadata": {}},
+        {"id": "d1", "title": "", "text": "Masks", "metadata": {}},
+        {"id": "d2", "title": "T2", "text": "text 2", "metadata": {}},
+    ]
+    for bad in ({"_id": "d3", "title": "", "text": ""}, {"id": "d3", "title": "T", "text": ""}):
+        corpus = write_jsonl(tmp_path / "bad.jsonl", [bad])
+        refused = run(fake_gateway, "ingest", str(corpus), "--index", "trec")
+        assert refused.exit_code == 1 and "bad.jsonl:1: field 'text'" in refused.output, bad
+
+
 def test_ingest_keeps_two_requests_in_flight_unless_an_id_repeats(
     fake_gateway: FakeGateway, tmp_path: Path
 ) -> None:

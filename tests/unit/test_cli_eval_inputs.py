@@ -142,6 +142,19 @@ def test_a_bad_corpus_line_names_the_line_and_field(tmp_path: Path) -> None:
     assert "validation error" not in result.output  # pydantic's own dump
 
 
+def test_a_beir_corpus_line_with_a_title_and_no_text_is_read_as_sift_ingest_sends_it(
+    tmp_path: Path,
+) -> None:
+    """``--corpus`` reads a BEIR document with a title and an empty text as ``sift ingest``
+    sends it (its title as its text), so the in-process figures are the served index's; it
+    stopped at such a line (``field 'text'``)."""
+    from worker.evaluation.harness import read_corpus
+
+    corpus = write(tmp_path / "c.jsonl", '{"_id": 7, "title": "Aspirin", "text": ""}\n')
+    (document,) = read_corpus(Path(corpus))
+    assert (document.id, document.title, document.text) == ("7", "", "Aspirin")
+
+
 def _strict_json(text: str) -> object:
     """``text`` as JSON, refusing Python's NaN and Infinity (no JSON parser but Python's
     reads them: jq, JavaScript and Go stop on them)."""

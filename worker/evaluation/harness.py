@@ -28,7 +28,7 @@ from ir_measures import RR, R, nDCG
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from worker.constants import MAX_LIMIT
-from worker.contract import DocumentIn, Mode, SearchSpec
+from worker.contract import DocumentIn, Mode, SearchSpec, from_beir
 from worker.core.cost import add_costs
 from worker.core.query import channel_window, coarse_limit
 from worker.errors import SiftError
@@ -144,7 +144,7 @@ def _document(obj: Any) -> DocumentIn:
     if not isinstance(obj, dict):
         raise ValueError("a line must be a JSON object")
     if "_id" in obj:
-        obj = {"id": str(obj["_id"]), "title": obj.get("title") or "", "text": obj.get("text")}
+        obj = from_beir(obj) | {"id": str(obj["_id"])}
     try:
         return DocumentIn.model_validate(obj)
     except ValidationError as exc:

@@ -24,6 +24,7 @@ from worker.contract import (
     BLANK,
     UNSEARCHABLE,
     DocumentRequest,
+    from_beir,
     is_blank,
     is_searchable,
     unicode_only,
@@ -69,9 +70,8 @@ def document_from(obj: Any) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise ValueError("a line must be a JSON object")
     beir = "_id" in obj
-    if beir:  # BEIR: _id, title, text (its optional metadata is not Sift's)
-        head = {"id": obj["_id"], "title": obj.get("title") or ""}
-        obj = head | ({"text": obj["text"]} if "text" in obj else {})  # missing: "Field required"
+    if beir:
+        obj = from_beir(obj)
     try:  # the gateway's own checks (metadata every backend can hold), so nothing is sent
         document = DocumentRequest.model_validate(obj)
     except ValidationError as exc:
