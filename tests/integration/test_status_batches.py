@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any
 
 from worker.constants import ACTIVE_JOBS_KEY, ECONOMY_PREPARED_KEY
 from worker.contract import RerankInfo, SearchResult, SearchSpec
@@ -101,3 +102,23 @@ def test_no_inspect_says_the_inspection_was_skipped_not_unanswered(redis_url: st
     )  # fmt: skip
     assert asked.returncode == 0, asked.stderr
     assert json.loads(asked.stdout)["inspect_answered"] is False
+
+
+def test_a_batch_that_moves_during_the_inspection_s_wait_is_not_shown_moved_in_the_future(
+    store: JobStore,
+) -> None:
+    """The batches' ages are measured against Redis's clock read after them: against the one
+    read before the workers' inspection (which waits up to its timeout), a batch that moved
+    meanwhile showed ``moved -1 s ago``."""
+    from worker.cli.status import collect
+
+    batch_id = store.create_batch("acme", "docs", [("q0", SearchSpec(index="docs", query="q"))]).id
+
+    def inspect(timeout: float) -> tuple[dict[str, Any], dict[str, Any]]:
+        time.sleep(1.5)  # the workers' answers come late; the batch moves meanwhile
+        seconds, micros = store.redis.time()
+        store.redis.zadd(ACTIVE_JOBS_KEY, {batch_id: seconds + micros / 1e6})
+        return {}, {}
+
+    (batch,) = collect(store, inspect, timeout=1.0).batches
+    assert batch.idle_seconds is not None and batch.idle_seconds >= 0, batch.idle_seconds

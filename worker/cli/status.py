@@ -275,6 +275,9 @@ def collect(store: JobStore, inspect: Inspect | None, timeout: float) -> Status:
     unknown = _join_inspection(workers, active, stats)
     jobs = cast(list[tuple[str, float]], client.zrange(ACTIVE_JOBS_KEY, 0, -1, withscores=True))
     economy_watch = cast(list[str], client.zrange(ECONOMY_WATCH_KEY, 0, -1))
+    # the batches' ages against the clock read after them: against the one read before the
+    # inspection's wait (a second at most), a batch that moved meanwhile was "-1 s ago"
+    now = server_seconds(client.time())
     return Status(
         queues=_queues(client, unacked),
         workers=workers,
