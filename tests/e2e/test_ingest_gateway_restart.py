@@ -41,4 +41,5 @@ def test_sift_ingest_retries_its_requests_through_a_gateway_restart(
                 err = sift.stderr()
     assert code == 0, err
     assert "trying again" in err, err  # the retries are said, as sift batch says them
+    assert ".; trying again" not in err, err  # "...`sift up`.; trying again" read as a typo
     assert _indexed(stack, index) == set(ids)

@@ -150,7 +150,8 @@ def _retry_after(response: httpx.Response) -> float | None:
 
 def _say_retrying(state: RetryCallState) -> None:
     exc = state.outcome.exception() if state.outcome is not None else None
-    sys.stderr.write(f"{exc}; trying again\n")
+    said = str(exc).rstrip(".")  # "...`sift up`.; trying again" read as a typo
+    sys.stderr.write(f"{said}; trying again\n")
 
 
 def _field_of(loc: Any) -> str:
