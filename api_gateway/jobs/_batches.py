@@ -42,7 +42,6 @@ from api_gateway.jobs._shared import (
     _rerank_of,
     erase,
     gone,
-    no_job,
     not_there,
     results_size,
     router,
@@ -355,8 +354,8 @@ async def _cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> Batc
             field="id",
             headers=UNAVAILABLE_RETRY_AFTER,
         ) from exc
-    if outcome is CancelOutcome.MISSING:
-        raise no_job("batch", batch_id)
+    if outcome is CancelOutcome.MISSING:  # erased (or expired) since it was read: 410 (or 404)
+        raise await not_there(request, "batch", batch_id, tenant)
     if isinstance(outcome, CancelOutcome):  # already finished: nothing changed now
         # what an earlier cancel, its answer lost, ended
         await _count_cancel(request, batch_id)

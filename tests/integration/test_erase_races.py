@@ -88,3 +88,22 @@ def test_a_results_page_read_as_its_batch_is_erased_answers_erased(
     page = client.get(f"/v1/batches/{batch.id}/results", params={"page_size": 2}, headers=ACME)
     assert page.status_code == 410, page.text
     assert page.json()["error"]["type"] == "erased", page.text
+
+
+def test_a_cancel_whose_batch_is_erased_after_its_read_answers_erased(
+    client: TestClient, store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The erase between the cancel's read of the batch (it was there) and its script (the
+    batch gone): the cancel answers ``410 erased``, as one sent after the erase does, not a
+    ``404`` saying there is no such batch."""
+    items = [(f"q{i}", SearchSpec(index="docs", query="tea")) for i in range(3)]
+    batch = store.create_batch("acme", "docs", items)
+    _erase_first(monkeypatch, "cancel_batch", lambda store, batch_id: store.cancel_batch(batch_id))
+    answer = client.delete(f"/v1/batches/{batch.id}", headers=ACME)
+    assert answer.status_code == 410, answer.text
+    assert answer.json()["error"] == {
+        "type": "erased",
+        "message": answer.json()["error"]["message"],
+        "field": "id",
+    }, answer.text
+    assert client.delete(f"/v1/batches/{batch.id}", headers=ACME).status_code == 410
