@@ -718,6 +718,29 @@ def test_a_canceled_provider_batch_is_polled_soon_not_at_the_poll_s_next_turn(
     assert 0 < polls[0]["countdown"] <= cancel.CANCELED_POLL_SECONDS, polls
 
 
+def test_a_provider_batch_the_submission_cancels_for_a_cancel_during_its_create_is_polled_soon(
+    context: WorkerContext, model: FakeAnthropic, workers: None
+) -> None:
+    """The batch is canceled while its submission's create runs (the submission read it
+    before the cancel, and the cancel's ``sift.economy_cancel`` found no provider batch
+    recorded yet): the submission cancels the provider batch it made, and sends its poll
+    again due in a few seconds, as that task does, so the items end once their canceled
+    lines are mapped. Before, the poll stayed at its first turn (``SIFT_ECONOMY_POLL_SECONDS``,
+    30 s): the canceled batch read ``running`` 30 s on the real stack, where a cancel coming
+    after the create is polled at 5 s."""
+    model.configure(batch_processing_seconds=3600.0)
+    batch, qids = _prepared(context, 2)
+    store = context.store
+    task = _Task(context, "submit")
+    assert store.cancel_batch(batch.id) == (0, False)  # after the submission read the batch
+    leases.leased(task, batch.id, economy.SUBMIT_CLAIM, lambda: economy.submit(task, batch, qids))  # type: ignore[arg-type]
+    [made] = model.batches()
+    assert made["status"] != "in_progress"  # canceled there
+    polls = [kw for name, kw in task.sent if name == ECONOMY_POLL_TASK]
+    assert [p["args"] for p in polls][-1] == [batch.id, made["id"]], task.sent
+    assert 0 < polls[-1]["countdown"] <= cancel.CANCELED_POLL_SECONDS, polls
+
+
 def _backend_down(context: WorkerContext, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The index's backend failing every read of stored documents (an outage while the
     provider batch ran); answers the calls it refused."""

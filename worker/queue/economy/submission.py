@@ -21,7 +21,7 @@ from worker.constants import (
 from worker.core.pipeline import load_prepared
 from worker.errors import AttemptOutcome, RerankAttemptError, TenantRemoved
 from worker.queue.base import SiftTask
-from worker.queue.economy.cancel import cancel_quietly
+from worker.queue.economy.cancel import CANCELED_POLL_SECONDS, cancel_quietly
 from worker.queue.economy.doubts import settle_doubts
 from worker.queue.economy.finish import cancel_item, end_without_model, fail_items, fail_unsent
 from worker.queue.economy.ids import SUBMISSION_CHARS, chunk_requests, custom_id, new_submission
@@ -294,8 +294,10 @@ def submit(
         for provider_id in created if again is None else []:  # erased since: by its purge
             _cancel_erased(client, batch.id, provider_id)
     if created and again is not None and again.canceled_at is not None:
-        for provider_id in created:  # canceled while we were sending: cancel what we sent
-            cancel_quietly(task.context.store, batch.id, client, provider_id)
+        for provider_id in created:  # canceled while we were sending: cancel what we sent,
+            # polled soon as sift.economy_cancel's are (it ran before these were recorded)
+            if cancel_quietly(task.context.store, batch.id, client, provider_id):
+                send_anew(task, batch.id, provider_id, CANCELED_POLL_SECONDS)
     return created
 
 
