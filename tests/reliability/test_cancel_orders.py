@@ -251,3 +251,33 @@ def test_a_cancel_reaches_the_items_waiting_out_a_429_before_their_next_call(
         answered = model.counts()["statuses"].get("200", 0)  # those, after the outage ended
         assert done["counts"]["succeeded"] == answered, (done["counts"], model.counts())
         assert done["counts"]["canceled"] == 100 - answered >= 50, done["counts"]
+
+
+@pytest.mark.timeout(300)
+def test_a_cancel_reaches_the_items_waiting_for_a_place_in_flight(
+    tmp_path: Path, stack: OrderStack, receiver: Receiver
+) -> None:
+    """The worker keeps 2 model calls in flight (``SIFT_RERANK_MAX_IN_FLIGHT``): 2 items of
+    a batch of 10 are in their calls, which the model holds, and 8 wait for a place. A
+    cancel then reaches the 8 while they wait: they end ``canceled`` before any place frees,
+    the 2 in their calls finish, and the model is sent 2 calls in all. Before, the wait for
+    a place asked nothing: once the model answered, the 8 took the places and made their
+    calls, billed, and the batch ended ``succeeded`` with nothing canceled."""
+    model = FakeAnthropic(hold_unscripted=True)
+    with model, running(tmp_path, stack, model) as (client, env):
+        with worker(tmp_path / "w", {**env, "SIFT_RERANK_MAX_IN_FLIGHT": "2"}, "w"):
+            batch_id = submit_batch(client, 10, webhook_url=receiver.url)
+            wait_for(lambda: model.counts()["received"] == 2, "two calls at the model")
+            wait_for(lambda: batch_counts(client, batch_id)["counts"]["running"] == 10, "started")
+            answer = cancel(client, batch_id)
+            assert answer.status_code == 200, answer.text
+            wait_for(
+                lambda: batch_counts(client, batch_id)["counts"]["canceled"] == 8,
+                "the cancel reaching the items waiting for a place",
+                30,
+            )
+            model.configure(hold_unscripted=False)  # the 2 calls answered
+            done = finished(client, batch_id)
+            assert_told_alike(client, done, receiver)
+        assert model.counts()["received"] == 2, model.counts()
+    assert done["counts"]["succeeded"] == 2 and done["counts"]["canceled"] == 8, done["counts"]

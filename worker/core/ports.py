@@ -6,6 +6,7 @@ Adapters live in :mod:`worker.adapters`; fakes for tests live in ``tests/``.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from contextvars import ContextVar
 from typing import Any, Protocol
 
 from worker.contract import Channel
@@ -181,6 +182,14 @@ class IndexSettingsSource(Protocol):
     def get(self, index: str, tenant: str) -> SearchSettings:
         """The tenant's index's settings (empty when none are set); cheap enough per search."""
         ...
+
+
+# What a wait inside :meth:`Reranker.rerank` before its request goes (the process's in-flight
+# places: :class:`worker.runtime.ratelimit.ProviderLimiter`) asks every ``WAIT_CHECK_SECONDS``
+# and once more as it ends: a batch item's cancel check, set around each attempt by the
+# model calls, which raises ``Canceled`` or ``HandedBack`` to end the call unsent; None for a
+# search.
+SEND_CHECK: ContextVar[Callable[[], None] | None] = ContextVar("sift_send_check", default=None)
 
 
 class Reranker(Protocol):

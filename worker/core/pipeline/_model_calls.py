@@ -18,10 +18,16 @@ from worker.core.budget import (
 from worker.core.cost import price_for
 from worker.core.pipeline._config import PipelineConfig
 from worker.core.pipeline._run import RerankRun, usage_by_type
-from worker.core.ports import RateBudget, Recorder, Reranker
+from worker.core.ports import SEND_CHECK, RateBudget, Recorder, Reranker
 from worker.core.tokens import prompt_tokens
 from worker.core.types import BudgetGrant, RerankPrompt, RerankReply, TokenUsage
-from worker.errors import AttemptOutcome, DeadlineExceeded, HandedBack, RerankAttemptError
+from worker.errors import (
+    AttemptOutcome,
+    Canceled,
+    DeadlineExceeded,
+    HandedBack,
+    RerankAttemptError,
+)
 
 # the attempts that end with no answer from the provider (nor a 5xx: the breaker's signal)
 NO_ANSWER = frozenset({AttemptOutcome.TIMEOUT, AttemptOutcome.CONNECTION})
@@ -197,8 +203,15 @@ class ModelCalls:
             detail["budget_wait_seconds"] = waited
         run.backed_off = 0.0
         sent = self.clock()
+        # asked again while the call waits for one of its process's places in flight
+        billed = _billed(run)
+        sending = SEND_CHECK.set(None if check is None else lambda: check(billed))
         try:
             reply = self.reranker.rerank(prompt, timeout)
+        except (Canceled, HandedBack):  # stopped there, unsent: the reservation goes back whole
+            if grant is not None and self.rate_budget is not None:
+                self.rate_budget.settle(grant, TokenUsage(), sent=False)
+            raise
         except RerankAttemptError as error:
             usage = getattr(error, "usage", None)
             usage = usage if isinstance(usage, TokenUsage) else None
@@ -215,6 +228,8 @@ class ModelCalls:
             if grant is not None:
                 self._settle_failed(grant, error, usage, detail["budget_wait_seconds"] + paused)
             raise
+        finally:
+            SEND_CHECK.reset(sending)
         if grant is not None and self.rate_budget is not None:
             self.rate_budget.sent(detail["budget_wait_seconds"] + paused)
             self.rate_budget.settle(grant, reply.usage)
