@@ -105,6 +105,17 @@ def test_a_batch_run_again_after_a_kill_picks_up_the_batch_its_first_run_made(
     assert len(made) == 2 and first in made, made
 
 
+def _canceled_then_sent_again(stack: Stack, args: list[str]) -> tuple[str, str]:
+    """The first run's batch (its command killed once it was sent) canceled, and the batch a
+    run again sent instead: their ids."""
+    first, _ = _killed_after_submit(stack.idle_url, args)
+    canceled = stack.idle.delete(f"/v1/batches/{first}", headers=ACME)
+    assert canceled.status_code == 200 and canceled.json()["status"] == "canceled"
+    second, _ = _killed_after_submit(stack.idle_url, args)
+    assert second != first
+    return first, second
+
+
 def test_a_batch_canceled_since_its_run_is_not_picked_up_again(
     stack: Stack, queries: list[str], tmp_path: Path
 ) -> None:
@@ -114,11 +125,7 @@ def test_a_batch_canceled_since_its_run_is_not_picked_up_again(
     source, out = _queries(tmp_path, queries, "cancel"), tmp_path / "results.jsonl"
     args = ["batch", str(source), "--index", INDEX, "--out", str(out)]
     before = _batches(stack, stack.idle_url)
-    first, _ = _killed_after_submit(stack.idle_url, args)
-    canceled = stack.idle.delete(f"/v1/batches/{first}", headers=ACME)
-    assert canceled.status_code == 200 and canceled.json()["status"] == "canceled"
-    second, _ = _killed_after_submit(stack.idle_url, args)
-    assert second != first
+    first, second = _canceled_then_sent_again(stack, args)
     assert _killed_after_submit(stack.idle_url, args)[0] == second
     made = {k: v for k, v in _batches(stack, stack.idle_url).items() if k not in before}
     assert made == {first: "canceled", second: "queued"}
@@ -225,11 +232,7 @@ def test_a_canceled_batch_erased_since_leaves_the_batch_sent_after_it_to_pick_up
     source, out = _queries(tmp_path, queries, "tidied"), tmp_path / "results.jsonl"
     args = ["batch", str(source), "--index", INDEX, "--out", str(out)]
     before = _batches(stack, stack.idle_url)
-    first, _ = _killed_after_submit(stack.idle_url, args)
-    canceled = stack.idle.delete(f"/v1/batches/{first}", headers=ACME)
-    assert canceled.status_code == 200 and canceled.json()["status"] == "canceled"
-    second, _ = _killed_after_submit(stack.idle_url, args)
-    assert second != first
+    first, second = _canceled_then_sent_again(stack, args)
     erased = stack.idle.delete(f"/v1/batches/{first}/results", headers=ACME)
     assert erased.status_code == 200, erased.text
     try:
