@@ -212,6 +212,10 @@ def test_a_purge_erases_a_removed_tenant_and_nothing_else(tmp_path: Path) -> Non
             # the name given out again inherits nothing, and its writes land (the drops'
             # floors are below every new write version)
             with celery_worker(tmp_path / "w", env, "w3", concurrency=8):
+                # its warm-up done first: an index read waits for the runtime it builds,
+                # past the gateway's 10 s on a loaded host (a CI's 503)
+                log = tmp_path / "w" / "w3.log"
+                wait_for(lambda: "loaded embedding model" in log.read_text(), "w3's warm-up")
                 listed = client.get("/v1/searches", headers=ACME).json()
                 assert listed["searches"] == [], listed
                 assert client.get(f"/v1/indexes/{INDEX}", headers=ACME).status_code == 404
