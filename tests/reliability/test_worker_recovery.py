@@ -68,6 +68,7 @@ from worker.constants import (
     BATCH_RUNS_KEY,
     DELIVERY_OWNERS_KEY,
     KOMBU_UNACKED_KEY,
+    RATE_BUDGET_KEY,
     SEARCH_KEY,
     SEARCH_TASK,
 )
@@ -510,6 +511,9 @@ def test_sigterm_at_a_full_redis_keeps_the_calls_of_the_item_it_hands_back(
             ingest(client)
             batch_id = submit(client, 1)
             wait_for(lambda: model.counts()["received"] >= 1, "the item's call refused")
+            # the pause written before the next batch: sent before it, on a loaded host, that
+            # batch's call was made, answered and finished at the full Redis (the CI's failure)
+            wait_for(lambda: _paused(r), "the 429's pause in the rate budget")
             waiting = submit(client, 1, first=1)  # its start paced on the 429's pause
             wait_for(lambda: item_statuses(url, waiting) == {"q00001": "running"}, "it runs")
             refused = _refused_for_oom(r)
@@ -541,6 +545,12 @@ def test_sigterm_at_a_full_redis_keeps_the_calls_of_the_item_it_hands_back(
         assert batch_counts(client, waiting)["counts"]["succeeded"] == 1, line
         assert line["query_id"] == "q00001" and line["status"] == "succeeded", line
         assert line["result"]["usage"]["requests"] == 1, line
+
+
+def _paused(client: redis.Redis) -> bool:
+    """Whether a 429's pause is written in the rate budget (its end, on Redis's clock)."""
+    keys = client.scan_iter(RATE_BUDGET_KEY + "*")
+    return any(float(client.hget(key, "pause") or 0) > 0 for key in keys)
 
 
 def _refused_for_oom(client: redis.Redis) -> int:
