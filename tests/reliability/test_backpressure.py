@@ -239,9 +239,7 @@ def test_a_batch_that_would_fill_redis_is_refused_and_one_that_fits_ends(
             # some 5.75 kB an item of 10 hits with its result: 430, more than twice the room
             # to 90 % (1 MB); 40, under a quarter of it
             refused = client.post("/v1/batches", json=_batch(430, "big"), headers=ACME)
-            assert refused.status_code == 503, refused.text
-            error = refused.json()["error"]
-            assert error["type"] == "job_store_full", error
+            error = _store_full(refused)
             assert "this batch of 430 queries" in error["message"], error
             batch_id = submit_batch(client, 40, webhook_url=receiver.url)
             wait_for(
@@ -254,6 +252,14 @@ def test_a_batch_that_would_fill_redis_is_refused_and_one_that_fits_ends(
             assert receiver.for_job(batch_id)[0].body["data"]["status"] == "succeeded"
             assert worker.poll() is None  # the worker runs on
             assert int(r.info("memory")["used_memory"]) < limit
+
+
+def _store_full(answer: httpx.Response) -> dict[str, str]:
+    """The error of ``answer``, a request refused for the job store's room (503)."""
+    assert answer.status_code == 503, answer.text
+    error: dict[str, str] = answer.json()["error"]
+    assert error["type"] == "job_store_full", error
+    return error
 
 
 @contextmanager
@@ -313,9 +319,7 @@ def test_a_batch_s_hits_are_priced_by_what_its_index_s_documents_hold(
             return client.post("/v1/batches", json=body, headers=ACME)
 
         refused = batch("long")
-        assert refused.status_code == 503, refused.text
-        error = refused.json()["error"]
-        assert error["type"] == "job_store_full", error
+        error = _store_full(refused)
         assert "this batch of 10 queries" in error["message"], error
         assert "index 'long'" in error["message"], error
 
@@ -324,9 +328,7 @@ def test_a_batch_s_hits_are_priced_by_what_its_index_s_documents_hold(
             return client.post("/v1/searches", json=body, headers=ACME)
 
         alone = search("long")
-        assert alone.status_code == 503, alone.text
-        error = alone.json()["error"]
-        assert error["type"] == "job_store_full", error
+        error = _store_full(alone)
         assert "this search" in error["message"], error
         assert "up to 50 hits over index 'long'" in error["message"], error
         assert search(INDEX).status_code == 202
@@ -383,9 +385,7 @@ def test_a_traced_search_is_priced_with_its_trace_s_candidates(
             "candidate_limit": 50,
         }
         traced = client.post("/v1/searches", json=body, headers=ACME)
-        assert traced.status_code == 503, traced.text
-        error = traced.json()["error"]
-        assert error["type"] == "job_store_full", error
+        error = _store_full(traced)
         assert "up to 1 hits and 50 trace candidates over index 'long'" in error["message"]
         untraced = client.post("/v1/searches", json={**body, "include_trace": False}, headers=ACME)
         assert untraced.status_code == 202, untraced.text  # its 1 hit fits the room
@@ -582,9 +582,7 @@ def test_an_economy_batch_is_priced_with_what_its_items_keep_while_they_wait(
         queries = [{"id": f"q{i}", "query": "chess kasparov", "limit": 1} for i in range(20)]
         body = {"index": "long", "rerank": True, "candidate_limit": 50, "queries": queries}
         economy = client.post("/v1/batches", json={**body, "lane": "economy"}, headers=ACME)
-        assert economy.status_code == 503, economy.text
-        error = economy.json()["error"]
-        assert error["type"] == "job_store_full", error
+        error = _store_full(economy)
         assert (
             "up to 20 hits and 1000 candidates kept while waiting at the provider over "
             "index 'long'" in error["message"]
