@@ -232,10 +232,7 @@ def test_a_batch_that_would_fill_redis_is_refused_and_one_that_fits_ends(
         ):
             ingest(client)
             limit = 10_000_000
-            used = int(r.info("memory")["used_memory"])
-            r.setrange("ballast", int(0.8 * limit) - used, b"x")  # grown in place
-            r.config_set("maxmemory", limit)
-            time.sleep(READ_EVERY_SECONDS)  # the gateway's next request reads it again
+            _fill_to_80_percent(r, limit)
             # some 5.75 kB an item of 10 hits with its result: 430, more than twice the room
             # to 90 % (1 MB); 40, under a quarter of it
             refused = client.post("/v1/batches", json=_batch(430, "big"), headers=ACME)
@@ -252,6 +249,26 @@ def test_a_batch_that_would_fill_redis_is_refused_and_one_that_fits_ends(
             assert receiver.for_job(batch_id)[0].body["data"]["status"] == "succeeded"
             assert worker.poll() is None  # the worker runs on
             assert int(r.info("memory")["used_memory"]) < limit
+
+
+# a traced reranked search of 1 hit over 50 candidates of index "long"
+TRACED_LONG = {
+    "index": "long",
+    "query": "chess kasparov",
+    "limit": 1,
+    "rerank": True,
+    "include_trace": True,
+    "candidate_limit": 50,
+}
+
+
+def _fill_to_80_percent(r: redis.Redis, limit: int) -> None:
+    """Redis at 80 % of a ``maxmemory`` of ``limit`` bytes (a key grown in place), read by
+    the gateway's next request."""
+    used = int(r.info("memory")["used_memory"])
+    r.setrange("ballast", int(0.8 * limit) - used, b"x")
+    r.config_set("maxmemory", limit)
+    time.sleep(READ_EVERY_SECONDS)
 
 
 def _store_full(answer: httpx.Response) -> dict[str, str]:
@@ -308,10 +325,7 @@ def test_a_batch_s_hits_are_priced_by_what_its_index_s_documents_hold(
         ingest(client)  # the sample corpus: short documents
         _documents("long", "chess kasparov opening " + "x" * 49_977, 50, client)
         limit = 20_000_000
-        used = int(r.info("memory")["used_memory"])
-        r.setrange("ballast", int(0.8 * limit) - used, b"x")  # grown in place
-        r.config_set("maxmemory", limit)
-        time.sleep(READ_EVERY_SECONDS)  # the gateway's next request reads it again
+        _fill_to_80_percent(r, limit)
 
         def batch(index: str) -> httpx.Response:
             queries = [{"id": f"q{i}", "query": "chess kasparov", "limit": 10} for i in range(10)]
@@ -371,19 +385,8 @@ def test_a_traced_search_is_priced_with_its_trace_s_candidates(
     finishes refused OutOfMemoryError), and the same search untraced is taken."""
     with _stack(tmp_path, model, SIFT_RERANK_CANDIDATE_MAX_CHARS="50000") as (r, client):
         _documents("long", "chess kasparov opening " + "x" * 49_977, 50, client)
-        limit = 20_000_000
-        used = int(r.info("memory")["used_memory"])
-        r.setrange("ballast", int(0.8 * limit) - used, b"x")  # grown in place
-        r.config_set("maxmemory", limit)
-        time.sleep(READ_EVERY_SECONDS)  # the gateway's next request reads it again
-        body = {
-            "index": "long",
-            "query": "chess kasparov",
-            "limit": 1,
-            "rerank": True,
-            "include_trace": True,
-            "candidate_limit": 50,
-        }
+        _fill_to_80_percent(r, 20_000_000)
+        body = TRACED_LONG
         traced = client.post("/v1/searches", json=body, headers=ACME)
         error = _store_full(traced)
         assert "up to 1 hits and 50 trace candidates over index 'long'" in error["message"]
@@ -406,14 +409,7 @@ def test_a_trace_holds_the_text_its_model_was_shown_within_its_search_s_price(
         _documents("long", text, 50, client)
         r.config_set("maxmemory", 1 << 30)  # admission prices each job by its index
         time.sleep(READ_EVERY_SECONDS)  # the gateway's next request reads it again
-        body = {
-            "index": "long",
-            "query": "chess kasparov",
-            "limit": 1,
-            "rerank": True,
-            "include_trace": True,
-            "candidate_limit": 50,
-        }
+        body = TRACED_LONG
         made = client.post("/v1/searches", json=body, params={"wait": 30}, headers=ACME)
         assert made.status_code == 200, made.text
         search = made.json()
