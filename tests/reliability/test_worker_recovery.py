@@ -18,8 +18,9 @@ model's address, and no metrics port (several workers on one machine).
   3x the soft-shutdown window, leaves no item ``running``, and another worker finishes the
   batch with every item sent to the model exactly once; under the shared rate budget too,
   the items waiting for it going back at once (not held to the stop deadline, not counted
-  lost); a stop that model calls do hold to its deadline names them in its line; on the
-  ``solo`` pool too, no retry of a 429 sent by the stopping worker.
+  lost), and those waiting for a place among the process's model calls in flight; a stop
+  that model calls do hold to its deadline names them in its line; on the ``solo`` pool
+  too, no retry of a 429 sent by the stopping worker.
 """
 
 from __future__ import annotations
@@ -363,6 +364,63 @@ def test_sigterm_hands_back_the_items_waiting_for_the_rate_budget(
         statuses = Counter(item_statuses(url, batch_id).values())
         assert set(statuses) <= {"queued", "succeeded"}, statuses  # none left running
         assert statuses["queued"] > 0, statuses
+        with worker(tmp_path / "w", env, "b"):
+            wait_finished(client, url, batch_id, RECOVERY_WINDOW)
+        assert_batch_exactly_once(client, url, batch_id, total)
+        assert model_calls(model) == Counter({f"q{i:05d}": 1 for i in range(total)})
+        lost = redis.Redis.from_url(url, decode_responses=True)
+        try:  # a clean hand-back is no lost run: nothing counts toward the poison limit
+            assert lost.hgetall(BATCH_LOST_KEY + batch_id) == {}
+        finally:
+            lost.close()
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_hands_back_the_items_waiting_for_a_place_in_flight(
+    tmp_path: Path, shared: RecoveryStack
+) -> None:
+    """SIGTERM while 2 items of a batch of 10 are in their model calls, which the model
+    holds, and 8 wait for one of the process's places in flight (``SIFT_RERANK_MAX_IN_FLIGHT``
+    at 2): the 8 stop waiting and go back ``queued`` before any place frees, unsent; once the
+    model answers the 2, the worker exits cleanly, and another worker finishes the 8: every
+    item sent to the model once, no run counted lost. The calls' timeout and the search
+    deadline are a minute here, so no place frees until the model answers. Before, that
+    wait asked nothing: the 8 waited until a place freed (at the defaults, until the held
+    calls timed out 20 s later), holding the stop, and were handed back only then."""
+    total, places = 10, 2
+    soft_shutdown = Settings(_env_file=None).worker_soft_shutdown_seconds  # type: ignore[call-arg]
+    with FakeAnthropic() as model, recovery_stack(shared) as (url, env, client):
+        env = {
+            **env,
+            "ANTHROPIC_BASE_URL": model.url,
+            "SIFT_RERANK_MAX_IN_FLIGHT": str(places),
+            # the held calls outlast the test's waits, so no place frees until they are answered
+            "SIFT_GENERATION_TIMEOUT_SECONDS": "60",
+            "SIFT_SEARCH_DEADLINE_SECONDS": "60",
+        }
+        with worker(tmp_path / "w", env, "a") as worker_a:
+            ingest(client)
+            model.configure(hold_unscripted=True)  # the calls in flight held, unanswered
+            batch_id = submit(client, total)
+            wait_for(lambda: model.counts()["received"] == places, "two calls at the model")
+            wait_for(
+                lambda: batch_counts(client, batch_id)["counts"]["running"] == total,
+                "every item started, 8 of them waiting for a place",
+            )
+            worker_a.send_signal(signal.SIGTERM)
+            wait_for(
+                lambda: Counter(item_statuses(url, batch_id).values())["queued"] == total - places,
+                "the items waiting for a place handed back",
+                30,
+            )
+            assert model.counts()["received"] == places, model.counts()
+            model.configure(hold_unscripted=False)  # the 2 calls answered
+            code = worker_a.wait(3 * soft_shutdown)
+        log = (tmp_path / "w" / "a.log").read_text(errors="replace")
+        assert "not stopped" not in log and code == 0, (code, log[-2000:])
+        assert Counter(item_statuses(url, batch_id).values()) == Counter(
+            {"queued": total - places, "succeeded": places}
+        )
         with worker(tmp_path / "w", env, "b"):
             wait_finished(client, url, batch_id, RECOVERY_WINDOW)
         assert_batch_exactly_once(client, url, batch_id, total)
