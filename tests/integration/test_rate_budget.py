@@ -705,6 +705,24 @@ def test_a_wait_on_the_breaker_after_a_5xx_is_not_the_retry_s_own_time(
     assert calls == 2 and waited == pytest.approx(retry["budget_wait_seconds"])
 
 
+def test_a_5xx_s_retry_after_is_the_breaker_s_wait_in_the_budget_wait_metric(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    """A 529 with ``retry-after: 1`` opens the breaker for that second: every other process
+    waits it out at its reservation, counted as its wait for the budget, and the retry backs
+    off for it (the retry-after: longer than a back-off), then goes as the probe at once. The
+    metric observes that back-off, as after a 429's: it observed the reservation's wait alone
+    (0 here), so the call that met the outage was counted as sent at once."""
+    result, clock, (waited, calls) = _timed_search(fake, client, fa.status(529, retry_after=1))
+    assert result.rerank.applied and len(fake.requests()) == 2
+    first, retry = result.trace["attempts"]
+    assert first["outcome"] == "http_5xx" and retry["outcome"] == "ok"
+    assert retry["backoff_wait_seconds"] == 1.0  # the 529's retry-after
+    assert retry["budget_wait_seconds"] == pytest.approx(sum(clock.sleeps) - 1.0)
+    assert result.trace["rerank_seconds"] == pytest.approx(_accounted(result.trace))
+    assert calls == 2 and waited == pytest.approx(1.0 + retry["budget_wait_seconds"])
+
+
 def test_a_retry_the_budget_cannot_serve_after_a_429_shows_the_429_s_back_off(
     fake: fa.FakeAnthropic, client: redis.Redis
 ) -> None:

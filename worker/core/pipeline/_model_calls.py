@@ -61,21 +61,46 @@ def _billed(run: RerankRun) -> Usage | None:
 
 
 def _paused(run: RerankRun) -> float:
-    """The part of the back-off before the next attempt that was the provider's 429's pause:
-    all of it after a 429 the provider sent (at least its retry-after, which paused every
-    process's calls on the rate budget too, counted there as their wait for the budget), none
-    after any other failure (the retry policy's own back-off, not the budget's).
+    """The part of the back-off before the next attempt that was the provider's hold on every
+    process (:func:`_holds_everyone`): all of it after a 429 the provider sent, or a 5xx that
+    named its retry-after (at least that retry-after, for which the rate budget held every
+    process's calls too, counted there as their wait for the budget: a 429's pause, the
+    breaker), none after any other failure (the retry policy's own back-off, not the budget's).
 
-    >>> _paused(RerankRun(attempts=[{"outcome": "rate_limited"}], backed_off=2.0))
+    >>> _paused(RerankRun(backed_off=2.0, held=True))
     2.0
-    >>> _paused(RerankRun(attempts=[{"outcome": "rate_limited", "sent": False}], backed_off=2.0))
-    0.0
-    >>> _paused(RerankRun(attempts=[{"outcome": "http_5xx"}], backed_off=0.2))
+    >>> _paused(RerankRun(backed_off=0.2))
     0.0
     """
-    last = run.attempts[-1] if run.attempts else {}
-    sent_429 = last.get("outcome") == AttemptOutcome.RATE_LIMITED.value and last.get("sent", True)
-    return run.backed_off if sent_429 else 0.0
+    return run.backed_off if run.held else 0.0
+
+
+def _holds_everyone(error: RerankAttemptError) -> bool:
+    """Whether the provider's answer to an attempt sent holds every process's calls for the
+    back-off after it: a 429 (its pause) or a 5xx naming its retry-after (the breaker opened
+    that long; one without it opens for a second or more, waited at the reservation). A 409
+    or a 4xx the provider says to retry opens no breaker; a call the process's own limiter
+    held back, unsent, pauses no one.
+
+    >>> from worker.errors import AttemptOutcome as A
+    >>> _holds_everyone(RerankAttemptError(A.RATE_LIMITED, "429", retry_after=2.0))
+    True
+    >>> _holds_everyone(RerankAttemptError(A.RATE_LIMITED, "held", sent=False))
+    False
+    >>> _holds_everyone(RerankAttemptError(A.HTTP_5XX, "529", retry_after=3.0))
+    True
+    >>> _holds_everyone(RerankAttemptError(A.HTTP_5XX, "529"))
+    False
+    """
+    if not error.sent:
+        return False
+    if error.outcome is AttemptOutcome.RATE_LIMITED:
+        return True
+    return (
+        error.outcome is AttemptOutcome.HTTP_5XX
+        and not _transient_4xx(error)
+        and error.retry_after is not None
+    )
 
 
 @dataclass(slots=True)
@@ -225,6 +250,7 @@ class ModelCalls:
                 self._count_unread(prompt, grant)
             if on_billed is not None and usage is not None:
                 on_billed(run)
+            run.held = _holds_everyone(error)
             if grant is not None:
                 self._settle_failed(grant, error, usage, detail["budget_wait_seconds"] + paused)
             raise

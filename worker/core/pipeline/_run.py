@@ -29,6 +29,9 @@ class RerankRun:
     # the back-off slept since the last attempt (a 429's retry-after in it), for the next
     # attempt's entry to tell apart from its own seconds
     backed_off: float = 0.0
+    # whether the last attempt's answer held every process's calls for that back-off: a
+    # 429's pause, or the breaker a 5xx opened for its retry-after (a wait for the budget)
+    held: bool = False
 
     def add_usage(self, usage: TokenUsage, price: Price | None, discount: float) -> float | None:
         """Add one call's ``usage`` and its cost; answers that call's cost (None: unpriced)."""
