@@ -203,7 +203,7 @@ def create_app(
     document_bodies(app)
     install_docs(app)
     app.include_router(ops_router)  # /healthz, /readyz, /metrics: no request checks
-    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes, keyring=keyring)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app
 

@@ -8,6 +8,8 @@ from collections.abc import Sequence
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security.utils import get_authorization_scheme_param
+from starlette.datastructures import Headers
 
 from api_gateway.errors import ApiError
 from worker.settings import ApiKey
@@ -73,6 +75,18 @@ async def authenticate(
             403, "forbidden", "Authorization: the API key is not valid", field="Authorization"
         )
     return tenant
+
+
+def key_refused(headers: Headers, ring: KeyRing) -> bool:
+    """Whether :func:`authenticate` refuses a request with these ``headers`` (its 401 or 403):
+    no ``Authorization``, two, one that is no Bearer key (read as ``HTTPBearer`` reads it), or
+    a key the ``ring`` does not know. :class:`api_gateway.middleware.BodyLimitMiddleware` asks
+    it before it keeps a body."""
+    values = headers.getlist("authorization")
+    if len(values) != 1:
+        return True
+    scheme, credentials = get_authorization_scheme_param(values[0])
+    return scheme.lower() != "bearer" or not credentials or ring.tenant_for(credentials) is None
 
 
 def require_metrics_token(request: Request, token: str | None) -> None:

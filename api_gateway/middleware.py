@@ -8,8 +8,10 @@ import time
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api_gateway.auth import KeyRing, key_refused
 from api_gateway.errors import FieldProblem, error_response
 from api_gateway.metrics import GatewayMetrics
 
@@ -62,11 +64,18 @@ class BodyLimitMiddleware:
     compressed one (``Content-Encoding`` other than ``identity``) with 415: the body is read as
     sent, and a gzip body was a 400 "not valid JSON: can't decode byte 0x8b" that did not say
     why. So is a body whose ``Content-Type`` names a charset other than UTF-8, on every route
-    (:func:`charset_problem`)."""
+    (:func:`charset_problem`).
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    The body of a request the key check will refuse (:func:`~api_gateway.auth.key_refused`,
+    with ``keyring``) is read and dropped as it arrives, never kept: the app gets an empty
+    body and answers its 401 or 403. Kept, each such request held its body (up to ``limit``)
+    in the gateway's memory until that answer, so ten callers without a key sending 32 MB at
+    once took the gateway past 500 MB, the memory limit of deploy/k8s's gateway pod."""
+
+    def __init__(self, app: ASGIApp, limit: int, keyring: KeyRing | None = None) -> None:
         self.app = app
         self.limit = limit
+        self.keyring = keyring
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         message = f"larger than the limit of {self.limit} bytes"
@@ -93,6 +102,7 @@ class BodyLimitMiddleware:
                 if declared > self.limit:
                     await self._too_large(scope, receive, send)
                     return
+        refused = self.keyring is not None and key_refused(Headers(scope=scope), self.keyring)
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -104,11 +114,12 @@ class BodyLimitMiddleware:
             if size > self.limit:
                 await self._too_large(scope, receive, send)
                 return
-            chunks.append(chunk)
+            if not refused:
+                chunks.append(chunk)
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
-        problem = charset_problem(content_types, body) if body else None
+        problem = charset_problem(content_types, body) if size else None
         if problem is not None:  # a body-less POST (a cancel) is read whatever its type says
             refusal = _refusal(415, "unsupported_media_type", "Content-Type", problem)
             await refusal(scope, receive, send)
