@@ -338,7 +338,10 @@ def install_error_handlers(app: FastAPI) -> None:
                     f"path: no route {raw.decode('latin-1')!r}: a %2F is a character of its "
                     "segment, never the / between two (the routes are in /openapi.json)"
                 )
-            return error_response(404, "not_found", message, field="path", headers=headers)
+            # a 405 made a 404 here keeps no Allow: Starlette's named the route short of the
+            # line break (``Allow: POST`` on ``DELETE /v1/batches%0A``), which the path is not
+            kept = {k: v for k, v in (headers or {}).items() if k.lower() != "allow"}
+            return error_response(404, "not_found", message, field="path", headers=kept or None)
         if exc.status_code == 405:
             message = f"method: {request.method} is not a method of {path!r}"
             # none: a 405 of no route's (a /docs static file's), whose own Allow stands
