@@ -17,7 +17,14 @@ from rich.table import Table
 from worker.adapters.embedded import SCHEMA_VERSION
 from worker.adapters.int8_graph import GRAPH_REVISION
 from worker.cli._common import EXIT_ITEMS_FAILED, _err
-from worker.cli._eval_runs import _check_index, _judged, _run_batches, _served_window, console
+from worker.cli._eval_runs import (
+    _check_index,
+    _index_written,
+    _judged,
+    _run_batches,
+    _served_window,
+    console,
+)
 from worker.cli._output import format_cost, plain, progress_bar
 from worker.evaluation.harness import (
     TENANT,
@@ -133,7 +140,7 @@ def _served(
     window is ``window``, else the one a traced search of the index says it uses."""
     qrels = read_qrels(qrels_path)
     queries = _judged(queries_path, qrels_path, qrels, max_queries)
-    _check_index(index)
+    before = _check_index(index)
     window = window or _served_window(index, queries[0][1])
     runs = eval_runs(rerank, window)
     rankings: dict[str, dict[str, list[str]]] = {}
@@ -141,6 +148,7 @@ def _served(
     errors: Counter[str] = Counter()
     failed_by_run: dict[str, int] = {}
     submitted, served = _run_batches(index, runs, queries, out)
+    written = _index_written(index, before)
     for run in runs:
         rankings[run.name] = {}
         failed_by_run[run.name] = 0
@@ -160,6 +168,9 @@ def _served(
     report["missing_from"] = str(queries_path)
     report["usage"] = usage
     report["batches"] = submitted
+    report["index_written"] = (
+        written and f"index {index!r} was written while the runs went: {written}"
+    )
     return report
 
 
@@ -214,8 +225,10 @@ def _print_report(report: dict[str, Any]) -> None:
             f"{_shares(versus['vs_better_channel_per_query'])}; vs {versus['best_channel']} "
             f"(better on average): {_shares(versus['vs_best_channel'])}"
         )
-        # a run with failed searches is below for them (they score 0), not for its fusion
-        if versus["hurts"] and not (report.get("failed_by_run") or {}).get(name):
+        # a run with failed searches is below for them (they score 0), not for its fusion;
+        # nor is one of an index written meanwhile (it may have read another state of it)
+        failed = (report.get("failed_by_run") or {}).get(name)
+        if versus["hurts"] and not failed and not report.get("index_written"):
             console.print(
                 f"[yellow]fusion hurts here: {name} {versus['ndcg@10']:.3f} < "
                 f"{versus['best_channel']} alone {versus['best_channel_ndcg@10']:.3f}[/]; "
@@ -245,6 +258,13 @@ def _print_report(report: dict[str, Any]) -> None:
             f"[red]{report['failed']} search(es) did not succeed"
             + (f" ({why})" if why else "")
             + f"[/]; they score 0 (by run: {runs}); exit {EXIT_ITEMS_FAILED}",
+            soft_wrap=True,
+        )
+    if report.get("index_written"):
+        console.print(
+            f"[red]{plain(report['index_written'])}[/]: the runs may have read different "
+            "states of it, so their figures do not compare; evaluate again while nothing "
+            f"writes it; exit {EXIT_ITEMS_FAILED}",
             soft_wrap=True,
         )
     if report.get("missing") and report.get("missing_from"):

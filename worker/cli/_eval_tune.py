@@ -13,7 +13,7 @@ from rich import box
 from rich.table import Table
 
 from worker.cli._common import _err
-from worker.cli._eval_runs import _check_index, _judged, _run_batches, console
+from worker.cli._eval_runs import _check_index, _index_written, _judged, _run_batches, console
 from worker.cli._http import GatewayError, gateway
 from worker.cli._output import plain, progress_bar
 from worker.constants import MAX_LIMIT
@@ -88,9 +88,15 @@ def _tune_served(
     split_folds([qid for qid, _ in queries], folds, seed)  # a bad --folds fails before searching
     # what the index leaves unset is the deployment's, SIFT_FUSION_* as a worker reads them
     default = Point.of_deployment(load_settings())
-    current = Point.of_settings(_check_index(index).get("settings"), default)
+    before = _check_index(index)
+    current = Point.of_settings(before.get("settings"), default)
     runs = [RunSpec("bm25", "fts", False, MAX_LIMIT), RunSpec("knn", "vector", False, MAX_LIMIT)]
     _, served = _run_batches(index, runs, queries, out)
+    if written := _index_written(index, before):  # its two rankings may be of two states
+        raise ValueError(
+            f"index {index!r} was written while its rankings were read ({written}): tuning "
+            "needs one state of it; tune again while nothing writes it"
+        )
     failed = [i for items in served.values() for i in items if i.get("status") != "succeeded"]
     if failed:
         raise ValueError(

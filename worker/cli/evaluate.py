@@ -145,5 +145,7 @@ def eval_command(
     _print_report(report)
     if json_out:
         json_out.write_text(json.dumps(report, indent=2) + "\n")
-    if report.get("failed"):  # their zeros are in every figure: no quality gate may pass
+    # failed searches' zeros are in every figure, and the runs of an index written meanwhile
+    # may each have read another state of it: no quality gate may pass on either
+    if report.get("failed") or report.get("index_written"):
         raise typer.Exit(EXIT_ITEMS_FAILED)
