@@ -284,7 +284,8 @@ def _summary(
 ) -> dict[str, Any]:
     """``sift ingest --json``'s one object: how the run ended, and its counts. ``indexed``
     counts each line's write, as the jobs report it; ``known_indexed`` the documents whose
-    job succeeded; ``resume_from_line`` is the first line not known indexed (null: none)."""
+    job succeeded, ``not_written`` those of them a newer write of their ids held (their job
+    skipped them); ``resume_from_line`` is the first line not known indexed (null: none)."""
     documents = loaded.records
     first = _first_not_known(chunks, tally.done)
     known = sum(tally.done)
@@ -302,11 +303,32 @@ def _summary(
         "indexed": sum(tally.upserted),
         "known_indexed": known,
         "not_known_indexed": len(documents) - known,
+        "not_written": known - sum(tally.upserted),
         "jobs": [job for jobs in tally.jobs for job in jobs],
         "unsettled_jobs": list(tally.unsettled),
         "resume_from_line": loaded.lines[first] if first < len(documents) else None,
         "seconds": round(seconds, 3),
     }
+
+
+def _not_written(skipped: int, index: str) -> str:
+    """The summary's word on the documents whose jobs succeeded without writing them: a
+    write of their ids accepted after theirs (a delete, or a drop of the index) had landed
+    first, and an ingest never undoes a newer write. It said "indexed 600 document(s)" of
+    a 1,000-line file, exit 0, with no word of the other 400 (a drop sent while the file
+    went had voided them).
+
+    >>> _not_written(0, "docs")
+    ''
+    >>> _not_written(2, "docs").endswith("their ids (a delete of them, or a drop of 'docs')")
+    True
+    """
+    if not skipped:
+        return ""
+    return (
+        f"; {skipped} document(s) not written: a write accepted after theirs holds their ids "
+        f"(a delete of them, or a drop of {index!r})"
+    )
 
 
 def _check_gateway(client: Gateway) -> None:
@@ -481,6 +503,7 @@ def ingest(
             f"in {elapsed:.1f} s"
             + (f", from line {from_line} of {plain(file)}" if from_line > 1 else "")
             + (f"; skipped {len(loaded.problems)} invalid line(s)" if loaded.problems else "")
+            + _not_written(sum(done) - sum(tally.upserted), index)
             # each line's write is counted: the index holds one document an id
             + (
                 f"; {len(documents) - distinct} line(s) repeated an earlier line's id and "
