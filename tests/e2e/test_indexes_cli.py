@@ -63,6 +63,18 @@ def test_documents_get_and_delete(stack: Stack) -> None:
     assert after.exit_code == 1 and "404" in after.output
 
 
+def test_documents_delete_sends_each_id_once(stack: Stack) -> None:
+    """An id given twice is sent once: the ids were cut into jobs of 1,000 as given, so an id
+    given again past the first 1,000 made a job of its own that deleted nothing (1,000 ids
+    given twice: a second job of 1,000, deleting none)."""
+    ingest(stack, "cli-twice", DOCS)
+    ids = ["c1", *(f"none-{i}" for i in range(998)), "c2", "c1", "c2"]  # 1,002 given, 1,000 ids
+    summary = _json(sift(stack, "documents", "delete", *ids, "--index", "cli-twice", "--json"))
+    assert summary["status"] == "succeeded" and summary["deleted"] == 2, summary
+    [job] = summary["jobs"]
+    assert job["documents"] == 1_000 and job["deleted"] == 2, job
+
+
 def test_every_id_and_name_is_one_path_segment(stack: Stack, tmp_path: Path) -> None:
     """The CLI put an index name into the path as typed, and a document id percent-encoded
     but for its dots, which the HTTP client then resolved as ``.``/``..`` segments: ``sift

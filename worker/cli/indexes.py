@@ -522,6 +522,7 @@ def documents_delete(
 ) -> None:
     """Delete documents by id (one job per 1,000 ids) and wait until they are gone."""
     console = _out()
+    doc_ids = list(dict.fromkeys(doc_ids))  # an id given again past 1,000 made its own job
     jobs: list[dict[str, Any]] = []
     submitted: list[dict[str, Any]] = []
     with _expected_errors(), gateway() as client, _interruptible(submitted):
