@@ -217,6 +217,32 @@ def wait_finished(client: httpx.Client, url: str, batch_id: str, timeout: float)
         raise AssertionError(f"{exc}; {counts}; {broker_state(url)}") from exc
 
 
+def assert_no_run_lost(url: str, batch_id: str) -> None:
+    """A clean hand-back is no lost run: nothing counts toward the poison limit."""
+    lost = redis.Redis.from_url(url, decode_responses=True)
+    try:
+        assert lost.hgetall(BATCH_LOST_KEY + batch_id) == {}
+    finally:
+        lost.close()
+
+
+def finished_once_by_another_worker(
+    tmp_path: Path,
+    stack: RecoveryStack,
+    model: FakeAnthropic,
+    batch_id: str,
+    total: int,
+) -> None:
+    """A second worker finishes the batch a stopped one handed back: every item once, each
+    sent to the model once, no run counted lost."""
+    url, env, client = stack
+    with worker(tmp_path / "w", env, "b"):
+        wait_finished(client, url, batch_id, RECOVERY_WINDOW)
+    assert_batch_exactly_once(client, url, batch_id, total)
+    assert model_calls(model) == Counter({f"q{i:05d}": 1 for i in range(total)})
+    assert_no_run_lost(url, batch_id)
+
+
 def test_the_defaults_are_what_this_file_claims() -> None:
     """The figures the tests and the docs rely on are the defaults."""
     settings = Settings(_env_file=None)  # type: ignore[call-arg]
@@ -364,15 +390,8 @@ def test_sigterm_hands_back_the_items_waiting_for_the_rate_budget(
         statuses = Counter(item_statuses(url, batch_id).values())
         assert set(statuses) <= {"queued", "succeeded"}, statuses  # none left running
         assert statuses["queued"] > 0, statuses
-        with worker(tmp_path / "w", env, "b"):
-            wait_finished(client, url, batch_id, RECOVERY_WINDOW)
-        assert_batch_exactly_once(client, url, batch_id, total)
-        assert model_calls(model) == Counter({f"q{i:05d}": 1 for i in range(total)})
-        lost = redis.Redis.from_url(url, decode_responses=True)
-        try:  # a clean hand-back is no lost run: nothing counts toward the poison limit
-            assert lost.hgetall(BATCH_LOST_KEY + batch_id) == {}
-        finally:
-            lost.close()
+        finished_once_by_another_worker(tmp_path, RecoveryStack(url, env, client), model,
+                                        batch_id, total)  # fmt: skip
 
 
 @pytest.mark.timeout(300)
@@ -421,15 +440,8 @@ def test_sigterm_hands_back_the_items_waiting_for_a_place_in_flight(
         assert Counter(item_statuses(url, batch_id).values()) == Counter(
             {"queued": total - places, "succeeded": places}
         )
-        with worker(tmp_path / "w", env, "b"):
-            wait_finished(client, url, batch_id, RECOVERY_WINDOW)
-        assert_batch_exactly_once(client, url, batch_id, total)
-        assert model_calls(model) == Counter({f"q{i:05d}": 1 for i in range(total)})
-        lost = redis.Redis.from_url(url, decode_responses=True)
-        try:  # a clean hand-back is no lost run: nothing counts toward the poison limit
-            assert lost.hgetall(BATCH_LOST_KEY + batch_id) == {}
-        finally:
-            lost.close()
+        finished_once_by_another_worker(tmp_path, RecoveryStack(url, env, client), model,
+                                        batch_id, total)  # fmt: skip
 
 
 @pytest.mark.timeout(300)
@@ -501,11 +513,7 @@ def test_sigterm_hands_back_an_item_waiting_out_a_429_s_retry_after(
         assert chunk in tasks_received(b_log), b_log[-2000:]  # the next worker ran it
         [line] = all_results(client, batch_id)
         assert line["result"]["usage"]["requests"] == 2, line  # both shown
-        lost = redis.Redis.from_url(url, decode_responses=True)
-        try:  # a clean hand-back is no lost run: nothing counts toward the poison limit
-            assert lost.hgetall(BATCH_LOST_KEY + batch_id) == {}
-        finally:
-            lost.close()
+        assert_no_run_lost(url, batch_id)
 
 
 @pytest.mark.timeout(300)
@@ -647,11 +655,7 @@ def test_sigterm_hands_back_the_items_whose_calls_timed_out_unanswered(
         assert model_calls(model) == Counter({"q00000": 2, "q00001": 2})
         usage = [line["result"]["usage"]["requests"] for line in all_results(client, batch_id)]
         assert usage == [2, 2]  # the timed-out call shown beside the answered one
-        lost = redis.Redis.from_url(url, decode_responses=True)
-        try:
-            assert lost.hgetall(BATCH_LOST_KEY + batch_id) == {}
-        finally:
-            lost.close()
+        assert_no_run_lost(url, batch_id)
 
 
 @pytest.mark.timeout(300)
