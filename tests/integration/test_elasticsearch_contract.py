@@ -2750,6 +2750,27 @@ def test_index_settings_a_document_es_could_not_read_is_a_retryable_failure(
     assert backend.stored_settings(["docs"], "acme") == [None]
 
 
+def test_stored_documents_a_document_es_could_not_read_is_a_retryable_failure(
+    server: FakeElasticsearchServer,
+) -> None:
+    """``_mget`` answers 200 with an error in a document's place when its shard could not be
+    read (an index of several shards, one of them unassigned): that document is not known
+    to be gone. Read as not stored, an economy item finished then dropped it from its hits
+    as ``deleted_since_retrieval`` while the index still held it. The alias missing (ES
+    answers an ``index_not_found`` in each document's place) is none stored, as before."""
+    concrete = f"{ACME}~000001"
+    no_shard = error_body("no_shard_available_action_exception", "No shard available", 503)
+    failed = {"_index": concrete, "_id": "acme:d2", "error": no_shard["error"]}
+    found = get_found(concrete, "acme", "d1", 3, text="one")
+    backend = backend_for(server)
+    server.on("POST", f"/{ACME}/_mget", Answer(200, {"docs": [found, failed]}), times=1)
+    with pytest.raises(BackendUnavailable, match="no_shard_available_action_exception"):
+        backend.stored_documents("docs", "acme", ["d1", "d2"])
+    gone = {"_index": ACME, "_id": "acme:d1", "error": index_missing(ACME)["error"]}
+    server.on("POST", f"/{ACME}/_mget", Answer(200, {"docs": [gone]}), times=1)
+    assert backend.stored_documents("docs", "acme", ["d1"]) == {}
+
+
 # --- sift tenant purge ------------------------------------------------------------------
 
 SETTINGS_INDEX = "sift-sift-settings"
