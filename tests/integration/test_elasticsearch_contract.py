@@ -2771,6 +2771,39 @@ def test_stored_documents_a_document_es_could_not_read_is_a_retryable_failure(
     assert backend.stored_documents("docs", "acme", ["d1"]) == {}
 
 
+@pytest.mark.parametrize("read", ["settings", "documents"])
+def test_an_mget_refusing_sifts_credentials_in_a_documents_place_is_a_config_error(
+    server: FakeElasticsearchServer, caplog: pytest.LogCaptureFixture, read: str
+) -> None:
+    """ES authorizes each of an ``_mget``'s shard requests on its own and answers 200 with a
+    ``security_exception`` in the place of each document the key may not read (a key whose
+    ``names`` leave out ``<prefix>sift-settings``, as deploy/README.md §4's own example for
+    an empty prefix did). It was ``backend_unavailable``: every search retried it to its
+    deadline as if the cluster were down. It is the deployment's setting that is wrong: a
+    config_error, not retried, ES's reason (the service user, its key) in the log only."""
+    reason = (
+        "action [indices:data/read/mget[shard]] is unauthorized for API key id [k8Hx2] of "
+        "user [sift_svc] on indices [sift-sift-settings], this action is granted by the "
+        "index privileges [read,all]"
+    )
+    refused = {"_id": ACME, "error": error_body("security_exception", reason, 403)["error"]}
+    target = SETTINGS_MGET if read == "settings" else f"/{ACME}/_mget"
+    server.on("POST", target, Answer(200, {"docs": [refused]}), times=1)
+    backend = backend_for(server)
+    with pytest.raises(BackendAccessRefused) as caught:
+        if read == "settings":
+            backend.stored_settings(["docs"], "acme")
+        else:
+            backend.stored_documents("docs", "acme", ["d1"])
+    assert caught.value.code == "config_error"
+    assert not caught.value.retryable
+    message = str(caught.value)
+    assert "security_exception" in message and "SIFT_ELASTICSEARCH_API_KEY" in message
+    for secret in ("sift_svc", "k8Hx2", tenant_key("acme")):
+        assert secret not in message, message
+    assert reason in caplog.text
+
+
 # --- sift tenant purge ------------------------------------------------------------------
 
 SETTINGS_INDEX = "sift-sift-settings"

@@ -354,6 +354,21 @@ def _raise_for_item(answer: Mapping[str, Any], what: str, index: str) -> None:
     raise BackendRequestError(f"Elasticsearch refused the {what} ({status}): {_scrubbed(reason)}")
 
 
+def _raise_for_doc(doc: Mapping[str, Any], what: str) -> None:
+    """An ``_mget`` entry that carries an error other than its index missing raises: a
+    refusal of Sift's credentials (ES authorizes each shard request of an ``_mget`` on its
+    own, and puts a ``security_exception`` in a document's place, with no status) as
+    :func:`_credentials_refused`; any other (its shard not read) as ``BackendUnavailable``:
+    the document is not known to be missing."""
+    if not doc.get("error") or _index_missing(doc):
+        return
+    reason = str(_reason(doc))
+    status = int(doc.get("status") or 403)
+    if _access_refused(int(doc.get("status") or 0), doc):
+        raise _credentials_refused(f"read of the {what}", status, doc, reason)
+    raise _unavailable(f"Elasticsearch could not read the {what}{_kind(doc)}", reason)
+
+
 def _bulk_error(failures: Sequence[Mapping[str, Any]], names: Mapping[str, str]) -> SiftError:
     """One error naming the documents the bulk call could not write, and why: each item's
     ``_id`` mapped back through ``names`` (the ``_id`` of each action sent: a hashed one

@@ -13,13 +13,10 @@ from worker.adapters.elasticsearch._bodies import _Bodies
 from worker.adapters.elasticsearch._errors import (
     _error_type,
     _first_key,
-    _index_missing,
-    _kind,
+    _raise_for_doc,
     _raise_if_partial,
-    _reason,
     _total,
     _translated,
-    _unavailable,
 )
 from worker.adapters.elasticsearch._layout import document_es_id
 from worker.constants import DOCUMENT_PREVIEW_CHARS
@@ -221,8 +218,8 @@ class _Listing(_Bodies):
         """``_mget`` of the ids' ``_id`` (:func:`document_es_id`) on the tenant's alias,
         without the vector: those found and the tenant's, by id. A missing alias holds none
         (a 404, or an ``index_not_found`` in each document's place); any other error in a
-        document's place (its shard not read) is ``BackendUnavailable``: that document is
-        not known to be gone, and a caller would take it for deleted."""
+        document's place is raised (:func:`_raise_for_doc`): that document is not known to
+        be gone, and a caller would take it for deleted."""
         if not ids:
             return {}
         with _translated(f"documents in index {index!r}", index, missing_ok=True) as missing:
@@ -239,11 +236,7 @@ class _Listing(_Bodies):
             return {}
         found = {}
         for doc_id, doc in zip(ids, answer.get("docs", []), strict=False):
-            if doc.get("error") and not _index_missing(doc):
-                raise _unavailable(
-                    f"Elasticsearch could not read documents in index {index!r}{_kind(doc)}",
-                    str(_reason(doc)),
-                )
+            _raise_for_doc(doc, f"documents in index {index!r}")
             if doc.get("found") and doc.get("_source", {}).get(self.fields.tenant) == tenant:
                 found[doc_id] = self._stored(doc_id, doc)
         return found

@@ -13,11 +13,8 @@ from elasticsearch import ApiError
 from worker.adapters.elasticsearch._core import _Core
 from worker.adapters.elasticsearch._errors import (
     _error_type,
-    _index_missing,
-    _kind,
-    _reason,
+    _raise_for_doc,
     _translated,
-    _unavailable,
 )
 from worker.adapters.elasticsearch._layout import SETTINGS_INDEX
 
@@ -38,8 +35,9 @@ class _Settings(_Core):
     ) -> list[tuple[dict[str, Any] | None, int] | None]:
         """One realtime ``_mget`` by id: it sees a change stored a moment ago. No settings
         index yet is none stored (a 404, or an error in each document's place); any other
-        error in a document's place (its shard not read) is ``BackendUnavailable``: none
-        stored would run a search at the defaults, and merge a change into nothing."""
+        error in a document's place is raised (:func:`_raise_for_doc`: its shard not read,
+        ``BackendUnavailable``; the key refused, a config error): none stored would run a
+        search at the defaults, and merge a change into nothing."""
         if not indexes:
             return []
         ids = [self.alias(index, tenant) for index in indexes]
@@ -49,11 +47,7 @@ class _Settings(_Core):
             ).body
         docs = answer.get("docs") or [{}] * len(ids)
         for doc in docs:
-            if doc.get("error") and not _index_missing(doc):
-                raise _unavailable(
-                    f"Elasticsearch could not read the index settings{_kind(doc)}",
-                    str(_reason(doc)),
-                )
+            _raise_for_doc(doc, "index settings")
         return [
             (doc["_source"].get(SETTINGS_FIELD), int(doc["_version"])) if doc.get("found") else None
             for doc in docs
