@@ -450,3 +450,40 @@ def test_the_compose_walkthrough_names_the_indexes_the_first_write_makes() -> No
     alias = backend.alias("demo", "demo")
     named = set(re.findall(r"`([^`]+)`", said.group(1)))
     assert {"sift-sift", alias, concrete_name(alias, "000001")} <= named, named
+
+
+def test_the_api_keys_deploy_readme_gives_cover_every_index_sift_reads_and_writes() -> None:
+    """deploy/README.md §4's API key (``names: ["sift-*"]``), and the ``names`` it gives for
+    an empty prefix (an operator's index ``catalogue`` under each tenant's alias), cover
+    every index the backend touches: the tenant's alias and the concrete index it makes,
+    and Sift's own floors and settings indexes, which every versioned write (the floor's
+    ``GET``) and every search (the settings' ``_mget``) reads. The empty prefix's names left
+    out ``sift-floors`` and ``sift-settings``: with them, every write failed ``config_error``
+    and every search failed reading its settings."""
+    import fnmatch
+    import json
+    from unittest.mock import MagicMock
+
+    from worker.adapters.elasticsearch import ElasticsearchBackend
+    from worker.adapters.elasticsearch._layout import concrete_name
+
+    text = read("deploy/README.md")
+    role = re.search(r'"indices": \[\{"names": (\[[^\]]*\])', text)
+    empty = re.search(r"with an empty prefix \(the API key above then needs its `names`.*?e\.g\. "
+                      r"`(\[[^\]]*\])`", text, re.S)  # fmt: skip
+    assert role and empty, "deploy/README.md §4 no longer gives the key's names"
+    for prefix, names, index in (
+        ("sift-", role.group(1), "docs"),
+        ("", empty.group(1), "catalogue"),
+    ):
+        patterns = json.loads(names)
+        backend = ElasticsearchBackend(MagicMock(), prefix=prefix)
+        alias = backend.alias(index, "acme")
+        touched = [
+            alias,
+            concrete_name(alias, "000001"),
+            backend.floors_index(),
+            backend.settings_index,
+        ]
+        uncovered = [n for n in touched if not any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+        assert not uncovered, f"prefix {prefix!r}: {patterns} leave out {uncovered}"
