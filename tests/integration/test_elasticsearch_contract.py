@@ -1952,6 +1952,24 @@ def test_a_delete_task_that_left_documents_fails_the_drop_retryably(
         backend_for(server).delete_index("docs", "acme")
 
 
+def test_a_delete_task_es_lost_fails_the_drop_retryably(
+    server: FakeElasticsearchServer, quick_polls: None
+) -> None:
+    """A task ES no longer knows (``GET _tasks/<id>`` answering 404
+    ``resource_not_found_exception``: the node running it left, a rolling restart, before
+    it stored its result) fails the drop retryably: its run again finds no delete running
+    and deletes what is left. It failed the drop for good, as a request ES refused."""
+    on_shared_drop(server, delete_by_query_task(DROP_TASK, ACME, completed=False))
+    lost = error_body(
+        "resource_not_found_exception",
+        f"task [{DROP_TASK}] isn't running and hasn't stored its results",
+        status=404,
+    )
+    server.on("GET", DROP_TASK_PATH, Answer(404, lost))
+    with pytest.raises(BackendUnavailable, match=f"task {DROP_TASK} .*run again"):
+        backend_for(server).delete_index("docs", "acme")
+
+
 def test_a_delete_task_that_failed_names_es_s_reason(
     server: FakeElasticsearchServer, quick_polls: None
 ) -> None:

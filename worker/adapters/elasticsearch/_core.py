@@ -12,9 +12,9 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 from urllib.parse import quote
 
-from elasticsearch import Elasticsearch
+from elasticsearch import Elasticsearch, NotFoundError
 
-from worker.adapters.elasticsearch._errors import _translated, _unavailable
+from worker.adapters.elasticsearch._errors import _detail, _error_type, _translated, _unavailable
 from worker.adapters.elasticsearch._layout import (
     FLOORS_INDEX,
     KEY_SEPARATOR,
@@ -172,9 +172,21 @@ class _Core:
         body: Mapping[str, Any] = answer.body
         return body
 
-    def _task(self, task: str) -> Mapping[str, Any]:
-        """``GET _tasks/<id>``."""
-        return self._task_api(f"/_tasks/{quote(task, safe=',*')}", "tasks.get")
+    def _task(self, task: str, what: str = "task") -> Mapping[str, Any]:
+        """``GET _tasks/<id>``. One ES no longer knows (404 ``resource_not_found_exception``:
+        the node running it left, as in a rolling restart, before it stored its result) is
+        ``BackendUnavailable``: a run again finds it not running and does what is left. It
+        failed the drop or copy for good, as a request ES refused."""
+        try:
+            return self._task_api(f"/_tasks/{quote(task, safe=',*')}", "tasks.get")
+        except NotFoundError as exc:
+            if _error_type(exc) != "resource_not_found_exception":
+                raise
+            raise _unavailable(
+                f"{what}: task {task} is gone (its node left before it stored its result); "
+                "run again",
+                _detail(exc),
+            ) from exc
 
     def _running_tasks(self, actions: str) -> dict[str, str]:
         """Every running task whose action matches ``actions`` (``GET _tasks``): its id ->
@@ -200,7 +212,7 @@ class _Core:
         answer (``response``: the report; ``error``: why it failed). Not done after
         ``max_seconds``: ``BackendUnavailable`` naming the task, which runs on (a run again
         finds it in :meth:`_running_tasks` and waits on it)."""
-        answer = self._task(task)
+        answer = self._task(task, what)
         deadline = self._clock() + max_seconds
         while not answer.get("completed"):
             if self._clock() >= deadline:
@@ -209,7 +221,7 @@ class _Core:
                     "run again to wait on it"
                 )
             time.sleep(poll_seconds)
-            answer = self._task(task)
+            answer = self._task(task, what)
         return answer
 
 
