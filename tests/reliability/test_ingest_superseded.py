@@ -68,3 +68,58 @@ def test_sift_ingest_says_how_many_documents_a_later_write_left_unwritten(tmp_pa
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["indexed"] == 1 and summary.get("not_written") == 1, summary
     assert [doc["text_preview"] for doc in stored["documents"]] == ["sent after the drop"], stored
+
+
+@pytest.mark.timeout(180)
+def test_a_delete_that_voided_an_index_s_first_ingest_succeeds(tmp_path: Path) -> None:
+    """``sift documents delete`` and ``sift index delete`` of an index whose first ingest is
+    accepted and held (not yet written): each job succeeds with 0 deleted and voids it, and
+    the command says so, exit 0; it said the index did not exist, exit 1, ``--json``
+    printing nothing. A drop of it again (the first drop voided it) and a name nobody
+    wrote still say the index does not exist."""
+    holds = tmp_path / "holds"
+    holds.mkdir()
+    with redis_server(tmp_path / "redis") as url:
+        env = {"SIFT_REDIS_URL": url + "/0", "SIFT_API_KEYS": json.dumps(KEYS),
+               "SIFT_RUNTIME_FACTORY": "tests.reliability.holding_runtime:build_runtime",
+               "HOLD_DIR": str(holds)}  # fmt: skip
+        with (
+            gateway(tmp_path / "g", env) as base,
+            httpx.Client(base_url=base, timeout=60) as client,
+            celery_worker(tmp_path / "w", env, "w"),
+        ):
+            docs = [{"id": "hold-ingest-a", "text": "held"}, {"id": "b", "text": "held too"}]
+            held = client.post(f"/v1/indexes/{INDEX}/documents", json={"documents": docs},
+                               headers=ACME)  # fmt: skip
+            assert held.status_code == 202, held.text
+            wait_for(lambda: any(holds.glob("hit-ingest-*")), "the ingest held", 60)
+            cli_env = {"SIFT_URL": base, "SIFT_API_KEY": KEYS[0]["key"], "COLUMNS": "200",
+                       "NO_COLOR": "1"}  # fmt: skip
+            try:
+                runs = [
+                    CliRunner().invoke(app, args, env=cli_env)
+                    for args in (
+                        ["documents", "delete", "b", "--index", INDEX],
+                        ["index", "delete", INDEX, "--yes", "--json"],
+                        ["index", "delete", INDEX, "--yes"],
+                        ["index", "delete", "nobody", "--yes"],
+                    )
+                ]
+            finally:
+                (holds / "release").touch()
+            wait_for(
+                lambda: client.get(f"/v1/ingestions/{held.json()['id']}", headers=ACME).json()[
+                    "status"] == "succeeded", "the held ingest done", 60,
+            )  # fmt: skip
+    by_ids, dropped, again, typo = runs
+    for run in (by_ids, dropped):
+        said = " ".join(run.output.split())
+        assert run.exit_code == 0, run.output
+        assert (
+            f"deleted 0 document(s) from index {INDEX}: none was written yet; 1 ingest job(s) "
+            "of the index accepted before it write none of what it deleted"
+        ) in said, said
+    assert json.loads(dropped.stdout)["deleted"] == 0, dropped.stdout
+    for run, name in ((again, INDEX), (typo, "nobody")):
+        assert run.exit_code == 1, run.output
+        assert f"index '{name}' does not exist" in run.output, run.output

@@ -168,15 +168,64 @@ def _submit_delete(client: Gateway, method: str, path: str, **kwargs: Any) -> di
     return job
 
 
-def _check_found(client: Gateway, index: str, job: dict[str, Any]) -> None:
+def _check_found(client: Gateway, index: str, jobs: list[dict[str, Any]]) -> int:
     """A delete that removed nothing from ``index``: the gateway's 404 (``index 'NAME' does not
-    exist``, exit 1, as every other command says it) when the index is not there. A delete
-    job on a name nobody has succeeds with 0 deleted, which passed a typo's delete for done."""
-    if job.get("status") == "succeeded" and not job.get("deleted"):
+    exist``, exit 1, as every other command says it) when the index is not there and the
+    delete voided no ingest of it. A delete job on a name nobody has succeeds with 0
+    deleted, which passed a typo's delete for done; but one sent while the index's first
+    ingests were accepted and not yet written did its work (they write nothing it took),
+    and the command said the index did not exist, exit 1. Answers how many ingest jobs it
+    voided (:func:`_voided`)."""
+    if any(j.get("status") != "succeeded" or j.get("deleted") for j in jobs):
+        return 0
+    try:
         client.json("GET", f"/v1/indexes/{segment(index)}", retry_for=RETRY_SECONDS)
+    except GatewayError as exc:
+        voided = _voided(client, index, jobs[-1]) if exc.status_code == 404 else 0
+        if not voided:
+            raise
+        return voided
+    return 0
 
 
-def _report(console: Console, job: dict[str, Any], what: str, json_out: bool) -> None:
+def _voided(client: Gateway, index: str, job: dict[str, Any]) -> int:
+    """The upserts of ``index`` accepted before the delete ``job`` (listed after it in ``GET
+    /v1/ingestions``, newest first) and after any drop of the index before it, that have
+    not written all their documents: still queued or running, or done with fewer upserted
+    (the delete landed first, so they write none of what it took)."""
+    seen = False
+    voided = 0
+    for page in client.pages("/v1/ingestions", {"page_size": MAX_PAGE_SIZE}, "ingestions"):
+        for other in page["ingestions"]:
+            if other.get("id") == job["id"]:
+                seen = True
+            elif not seen or other.get("index") != index:
+                continue
+            elif other.get("operation") == "drop":
+                return voided
+            elif other.get("operation") == "upsert" and _unwritten(other):
+                voided += 1
+    return voided
+
+
+def _unwritten(upsert: dict[str, Any]) -> bool:
+    """An upsert job that has not written all of its documents (yet).
+
+    >>> _unwritten({"status": "succeeded", "documents": 2, "upserted": 0})
+    True
+    """
+    if upsert.get("status") in ("queued", "running"):
+        return True
+    return (
+        upsert.get("status") == "succeeded" and (upsert.get("upserted") or 0) < upsert["documents"]
+    )
+
+
+def _report(
+    console: Console, job: dict[str, Any], what: str, json_out: bool, voided: int = 0
+) -> None:
+    """The delete's outcome; ``voided``: the ingest jobs whose writes it took before they
+    landed (:func:`_check_found`), said after the count (on stderr with ``--json``)."""
     if json_out:
         _print_json(console, job)
     if job.get("status") != "succeeded":
@@ -185,8 +234,16 @@ def _report(console: Console, job: dict[str, Any], what: str, json_out: bool) ->
             f"[bold red]error:[/] {what} failed: {plain(error.get('message', job.get('status')))}"
         )
         raise typer.Exit(EXIT_ERROR)
-    if not json_out:
-        console.print(f"deleted [bold]{job.get('deleted', 0)}[/] document(s) {what}")
+    note = (
+        f": none was written yet; {voided} ingest job(s) of the index accepted before it "
+        "write none of what it deleted (`sift ingestions` lists them)"
+        if voided
+        else ""
+    )
+    if json_out and note:
+        _err().print(f"deleted 0 document(s) {what}{note}", soft_wrap=True)
+    elif not json_out:
+        console.print(f"deleted [bold]{job.get('deleted', 0)}[/] document(s) {what}{note}")
 
 
 @app.command("indexes")
@@ -348,8 +405,8 @@ def index_delete(
         job = _submit_delete(client, "DELETE", f"/v1/indexes/{segment(name)}")
         submitted.append(job)
         job = _finish(client, job)
-        _check_found(client, name, job)
-    _report(console, job, f"from index {name}", json_out)
+        voided = _check_found(client, name, [job])
+    _report(console, job, f"from index {name}", json_out, voided)
 
 
 def document_pages(
@@ -534,10 +591,8 @@ def documents_delete(
             )  # fmt: skip
             submitted.append(job)
             jobs.append(_finish(client, job))
-        deleted = sum(j.get("deleted") or 0 for j in jobs)
-        if all(j.get("status") == "succeeded" for j in jobs):
-            _check_found(client, index, {"status": "succeeded", "deleted": deleted})
-    _report(console, deletes_summary(jobs), f"from index {index}", json_out)
+        voided = _check_found(client, index, jobs)
+    _report(console, deletes_summary(jobs), f"from index {index}", json_out, voided)
 
 
 def deletes_summary(jobs: list[dict[str, Any]]) -> dict[str, Any]:
