@@ -176,6 +176,60 @@ def test_eval_index_with_rerank_adds_the_served_final_run(stack: Stack, corpus: 
     assert "rerank usage:" in printed and "final (reranked)" in printed
 
 
+def test_eval_index_compares_a_run_with_the_channels_only_on_the_queries_it_answered(
+    stack: Stack, corpus: object, tmp_path: Path
+) -> None:
+    """The reranked run's model refuses all but three of its searches (each fails
+    ``rerank_failed``): the run is compared with the channels on the three queries it
+    answered, as ir-measures scores them from the served results, and says so; the fused
+    run, on all. Its failed searches' 0s were compared as rankings: "lost" on every query
+    where a channel found something."""
+    stack.model.reset()
+    stack.model.script([refusal()] * (JUDGED - 3))
+    env = child_env({"SIFT_URL": stack.live_url, "SIFT_API_KEY": "acme-key-0001",
+                     "COLUMNS": "400"})  # fmt: skip
+    done = subprocess.run(
+        sift_command("eval", "--index", INDEX, "--queries", str(QUERIES), "--qrels", str(QRELS),
+                     "--rerank", "--out", str(tmp_path), "--json", str(tmp_path / "report.json")),
+        env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 3, done.stdout + done.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["failed_by_run"]["final (reranked)"] == JUDGED - 3, report["failed_by_run"]
+    items = [json.loads(line) for line in (tmp_path / "final.jsonl").read_text().splitlines()]
+    answered = {i["query_id"] for i in items if i["status"] == "succeeded"} & _judged()
+    assert len(answered) == 3, items
+    ndcg = {run: _ndcg_per_query(tmp_path / f"{run}.jsonl", answered)
+            for run in ("final", "bm25", "knn")}  # fmt: skip
+    diffs = [ndcg["final"][q] - max(ndcg["bm25"][q], ndcg["knn"][q]) for q in answered]
+    versus = report["fusion_vs_channels"]
+    assert versus["final (reranked)"]["vs_better_channel_per_query"] == pytest.approx({
+        "lost": sum(d < -1e-9 for d in diffs) / 3, "won": sum(d > 1e-9 for d in diffs) / 3,
+        "tied": sum(abs(d) <= 1e-9 for d in diffs) / 3}), (versus, ndcg)  # fmt: skip
+    mean = {run: sum(values.values()) / 3 for run, values in ndcg.items()}
+    final = versus["final (reranked)"]
+    assert final["ndcg@10"] == pytest.approx(mean["final"]), (versus, mean)
+    assert final["best_channel_ndcg@10"] == pytest.approx(max(mean["bm25"], mean["knn"])), versus
+    assert final["queries"] == 3 and versus["fused"]["queries"] == JUDGED
+    shown = " ".join(done.stdout.split())
+    assert f"(on the 3 of {JUDGED} queries it and both channels answered)" in shown, shown
+
+
+def _judged() -> set[str]:
+    return {q.query_id for q in _qrels()}
+
+
+def _ndcg_per_query(path: Path, queries: set[str]) -> dict[str, float]:
+    """ir-measures' nDCG@10 of each of ``queries`` in a run's results (0: none relevant)."""
+    items = [json.loads(line) for line in path.read_text().splitlines()]
+    run = [ir_measures.ScoredDoc(item["query_id"], hit["id"], -float(rank))
+           for item in items if item["query_id"] in queries
+           for rank, hit in enumerate(item["result"]["hits"])]  # fmt: skip
+    qrels = [q for q in _qrels() if q.query_id in queries]
+    found = {m.query_id: m.value for m in ir_measures.iter_calc([nDCG @ 10], qrels, run)}
+    return {q: float(found.get(q, 0.0)) for q in queries}
+
+
 def test_eval_index_gives_the_in_process_figures(
     stack: Stack, served: Path, tmp_path: Path
 ) -> None:

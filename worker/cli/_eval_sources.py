@@ -146,24 +146,24 @@ def _served(
     rankings: dict[str, dict[str, list[str]]] = {}
     usage: dict[str, float | None] = {}
     errors: Counter[str] = Counter()
-    failed_by_run: dict[str, int] = {}
+    failed: dict[str, set[str]] = {}  # by run, the queries whose search did not succeed
     submitted, served = _run_batches(index, runs, queries, out)
     written = _index_written(index, before)
     for run in runs:
         rankings[run.name] = {}
-        failed_by_run[run.name] = 0
+        failed[run.name] = set()
         for item in served[run.name]:
             result = item.get("result") if item.get("status") == "succeeded" else None
             if result is None:
-                failed_by_run[run.name] += 1
+                failed[run.name].add(str(item["query_id"]))
                 errors[failure_type(item)] += 1
             hits = (result or {}).get("hits") or []
             rankings[run.name][str(item["query_id"])] = [str(hit["id"]) for hit in hits]
             add_usage(usage, billed_usage(item))  # a failed or canceled item's billed calls too
-    report = score_runs(rankings, runs, qrels, queries, window)
-    report["failed"] = sum(failed_by_run.values())
+    report = score_runs(rankings, runs, qrels, queries, window, failed)
+    report["failed_by_run"] = {name: len(ids) for name, ids in failed.items()}
+    report["failed"] = sum(report["failed_by_run"].values())
     report["errors"] = dict(errors.most_common())
-    report["failed_by_run"] = failed_by_run
     report["missing"] = absent_queries(queries_path, qrels)
     report["missing_from"] = str(queries_path)
     report["usage"] = usage
@@ -220,10 +220,16 @@ def _print_report(report: dict[str, Any]) -> None:
             + ", ".join(f"{name} {_figure(value)}" for name, value in by_ranking.items())
         )
     for name, versus in (report.get("fusion_vs_channels") or {}).items():
+        compared = versus.get("queries", report["queries"])
         console.print(
             f"{name} per query (nDCG@10) vs the better channel on that query: "
             f"{_shares(versus['vs_better_channel_per_query'])}; vs {versus['best_channel']} "
             f"(better on average): {_shares(versus['vs_best_channel'])}"
+            + (
+                f" (on the {compared} of {report['queries']} queries it and both channels answered)"
+                if compared < report["queries"]
+                else ""
+            )
         )
         # a run with failed searches is below for them (they score 0), not for its fusion;
         # nor is one of an index written meanwhile (it may have read another state of it)

@@ -397,10 +397,12 @@ def score_runs(
     qrels: dict[str, dict[str, int]],
     queries: list[tuple[str, str]],
     window: int,
+    failed: Mapping[str, set[str]] | None = None,
 ) -> dict[str, Any]:
     """:func:`score_rankings` of the :func:`eval_runs` (in-process or served): the window
     run is the candidates the reranker sees (it has no row of its own); the final one is
-    the reranked run if asked, else the fused run."""
+    the reranked run if asked, else the fused run. ``failed``: by run, the queries whose
+    search did not succeed (served runs)."""
     final = "final (reranked)" if "final (reranked)" in rankings else "fused"
     return score_rankings(
         {run.name: rankings[run.name] for run in runs if run.name != WINDOW_RUN},
@@ -410,6 +412,7 @@ def score_runs(
         candidates=rankings[WINDOW_RUN],
         final=rankings[final],
         approximated=window_note(window),
+        failed=failed,
     )
 
 
@@ -422,12 +425,14 @@ def score_rankings(
     candidates: dict[str, list[str]],
     final: dict[str, list[str]],
     approximated: str | None = None,
+    failed: Mapping[str, set[str]] | None = None,
 ) -> dict[str, Any]:
     """Score each run's rankings (query id -> document ids, best first) with ir-measures.
 
     ``candidates`` is the fused ranking whose first ``window`` documents the reranker sees;
     ``final`` the ranking the conditional row scores; ``approximated`` why ``candidates``
-    are not quite those (None: they are). A query absent from a run scores 0.
+    are not quite those (None: they are). A query absent from a run scores 0 (``failed``:
+    by run, the queries whose search failed; :func:`fusion_vs_channels` leaves them out).
     ``depth`` is the fewest documents a run ranked for any query: a measure past it (R@100
     of a run 40 deep) counts only what was ranked.
     """
@@ -462,7 +467,7 @@ def score_rankings(
         if name in runs
     } | {"fused": report["candidate_recall"]["end_to_end"]}
     if all(name in runs for name in CHANNELS):
-        report["fusion_vs_channels"] = fusion_vs_channels(runs, qrel_list, judged)
+        report["fusion_vs_channels"] = fusion_vs_channels(runs, qrel_list, judged, failed)
     report["runs"]["final, conditional on the window"] = _aggregate(
         [q for q in qrel_list if q.query_id in reachable],
         _scored(final, [qid for qid in judged if qid in reachable]),
@@ -485,29 +490,40 @@ def _mean(values: Mapping[str, float]) -> float:
 
 
 def fusion_vs_channels(
-    runs: dict[str, dict[str, list[str]]], qrels: list[ir_measures.Qrel], judged: list[str]
+    runs: dict[str, dict[str, list[str]]],
+    qrels: list[ir_measures.Qrel],
+    judged: list[str],
+    failed: Mapping[str, set[str]] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """For each run that fuses (all but the channels alone), per query by nDCG@10: the
     shares it ``lost``, ``won`` and ``tied`` against the better channel on that query (an
     oracle no fusion reaches often), and against ``best_channel``, the channel better on
-    average, with the mean of both (``hurts``: the run is below that channel on average)."""
+    average, with the mean of both (``hurts``: the run is below that channel on average).
+    Each on the ``queries`` that run and both channels answered: a query whose search
+    failed (``failed``: its id, by run) has no ranking to compare, and its 0 was taken for
+    one (a fused run whose index was dropped under it "lost" on every query a channel
+    found something). A run that answered none is left out."""
     per_query = {name: _per_query_ndcg(qrels, ranking, judged) for name, ranking in runs.items()}
-    if not judged:
-        return {}
-    oracle = {q: max(per_query[c][q] for c in CHANNELS) for q in judged}
-    mean = {name: statistics.fmean(values.values()) for name, values in per_query.items()}
-    best = max(CHANNELS, key=lambda c: mean[c])
+    failed = failed or {}
+    unanswered = set().union(*(failed.get(c, ()) for c in CHANNELS))
     report: dict[str, dict[str, Any]] = {}
     for name in runs:
-        if name not in CHANNELS:
-            report[name] = {
-                "vs_better_channel_per_query": _shares(per_query[name], oracle),
-                "best_channel": best,
-                "vs_best_channel": _shares(per_query[name], per_query[best]),
-                "ndcg@10": mean[name],
-                "best_channel_ndcg@10": mean[best],
-                "hurts": mean[name] < mean[best],
-            }
+        kept = [q for q in judged if q not in unanswered and q not in failed.get(name, ())]
+        if name in CHANNELS or not kept:
+            continue
+        oracle = {q: max(per_query[c][q] for c in CHANNELS) for q in kept}
+        scores = {n: {q: per_query[n][q] for q in kept} for n in (name, *CHANNELS)}
+        mean = {n: statistics.fmean(values.values()) for n, values in scores.items()}
+        best = max(CHANNELS, key=lambda c: mean[c])
+        report[name] = {
+            "vs_better_channel_per_query": _shares(scores[name], oracle),
+            "best_channel": best,
+            "vs_best_channel": _shares(scores[name], scores[best]),
+            "ndcg@10": mean[name],
+            "best_channel_ndcg@10": mean[best],
+            "hurts": mean[name] < mean[best],
+            "queries": len(kept),
+        }
     return report
 
 
@@ -653,7 +669,7 @@ def score_results(
     coarse: set[int | None] = set()  # each succeeded result's fused candidates, if traced
     windows: list[int] = []
     fused_unknown = False  # a reranked result without its trace's candidates
-    failed = 0
+    failed: set[str] = set()
     reranked = False
     usage: dict[str, float | None] = {}
     for item in items:
@@ -663,8 +679,8 @@ def score_results(
         if qid not in qrels:
             continue
         result = item.get("result") if item.get("status") == "succeeded" else None
-        failed += result is None
         if result is None:
+            failed.add(qid)
             errors[failure_type(item)] += 1
         held[qid] = served_rankings(result)
         add_usage(usage, billed_usage(item))
@@ -691,6 +707,7 @@ def score_results(
         candidates=per_run["fused"],
         final=per_run["final"],
         approximated=None if fused_as_reranked else _untraced_note(window),
+        failed=dict.fromkeys(runs, failed),  # every run is of the same searches
     )
     report["unknown"] = {}
     if fused_unknown:
@@ -700,9 +717,9 @@ def score_results(
         for name in ("bm25", "knn", "fused")
         if name in runs and name not in report["unknown"]
     }
-    report["failed"] = failed
+    report["failed"] = len(failed)
     report["errors"] = dict(errors.most_common())
-    report["failed_by_run"] = dict.fromkeys(runs, failed)  # every run is of the same searches
+    report["failed_by_run"] = dict.fromkeys(runs, len(failed))
     report["missing"] = sum(
         1 for qid, docs in qrels.items() if qid not in held and any(g > 0 for g in docs.values())
     )
