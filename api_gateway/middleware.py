@@ -103,7 +103,11 @@ class BodyLimitMiddleware:
                     await self._too_large(scope, receive, send)
                     return
         refused = self.keyring is not None and key_refused(Headers(scope=scope), self.keyring)
-        chunks: list[bytes] = []
+        # each piece goes into one buffer as it comes, and is freed: kept in a list until
+        # joined, their heap space stayed resident beside the copies the app makes, and the
+        # joined body beside Starlette's own (a 30 MB body took the gateway up 143 MiB, now
+        # 86: the body, its decoded text, the parsed value; test_unkeyed_bodies.py)
+        buffer = bytearray()
         size = 0
         while True:
             message = await receive()
@@ -115,10 +119,11 @@ class BodyLimitMiddleware:
                 await self._too_large(scope, receive, send)
                 return
             if not refused:
-                chunks.append(chunk)
+                buffer += chunk
             if not message.get("more_body", False):
                 break
-        body = b"".join(chunks)
+        body = bytes(buffer)
+        del buffer
         problem = charset_problem(content_types, body) if size else None
         if problem is not None:  # a body-less POST (a cancel) is read whatever its type says
             refusal = _refusal(415, "unsupported_media_type", "Content-Type", problem)
@@ -127,10 +132,12 @@ class BodyLimitMiddleware:
         sent = False
 
         async def replay() -> Message:
-            nonlocal sent
+            nonlocal sent, body
             if not sent:
                 sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
+                whole: Message = {"type": "http.request", "body": body, "more_body": False}
+                body = b""  # the app's to hold now (Starlette's Request joins its own copy)
+                return whole
             return await receive()
 
         await self.app(scope, replay, send)
