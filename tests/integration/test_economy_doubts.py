@@ -17,7 +17,7 @@ import httpx2
 import pytest
 from opentelemetry import trace
 
-from tests.fake_anthropic import FakeAnthropic, drop, errored
+from tests.fake_anthropic import FakeAnthropic, drop, errored, status
 from tests.keys import GLOBEX_KEY
 from tests.unit.test_pipeline import make
 from worker import clock
@@ -33,6 +33,7 @@ from worker.constants import (
     ECONOMY_RUNS_KEY,
     ECONOMY_SENDING_MARK,
     ECONOMY_STATE_KEY,
+    ECONOMY_SUBMIT_TASK,
     WORKER_HEARTBEAT_KEY,
 )
 from worker.contract import SearchSpec
@@ -781,6 +782,53 @@ def test_a_cancel_during_a_submission_s_create_sends_none_of_its_later_provider_
     assert statuses == ["running", "canceled", "canceled"]
     got = context.store.get_batch(batch.id)
     assert got is not None and got.finished_at is None and got.counts["canceled"] == 2
+
+
+def test_a_cancel_runs_a_submission_waiting_to_retry_its_create_at_once(
+    context: WorkerContext, workers: None
+) -> None:
+    """The batch's submission failed its create (a provider outage) and waits for its retry,
+    due at the poll's cadence (up to ``SIFT_ECONOMY_POLL_MAX_SECONDS``, 10 minutes); then the
+    user cancels. The cancel's task sends the submission anew, due now, and that run cancels
+    the items it had to send: the batch ends ``canceled`` at once. Before, the task found no
+    provider batch to cancel and did nothing: the batch read ``running`` until the retry
+    came (19 s on the real stack with a 20 s cadence)."""
+    batch, qids = _prepared(context, 2)
+    store = context.store
+    store.economy_expect(batch.id, economy.SUBMIT_CLAIM, time.time() + 600)  # its retry's
+    assert store.cancel_batch(batch.id) == (0, False)  # every item running
+    task = _Task(context, "cancel")
+    cancel.cancel_economy_batch(task, batch.id)  # type: ignore[arg-type]
+    [(name, sent)] = task.sent
+    assert (name, sent["args"], sent["countdown"]) == (ECONOMY_SUBMIT_TASK, [batch.id], None)
+    _submission(context, batch, qids, "again")
+    got = store.get_batch(batch.id)
+    assert got is not None and got.status.value == "canceled", got
+    assert got.counts["canceled"] == 2
+
+
+def test_a_create_failing_after_a_cancel_is_tried_again_at_once(
+    context: WorkerContext, model: FakeAnthropic, workers: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The user cancels while the submission's create goes out, and the create fails (a
+    529): the submission is tried again at once, to cancel its items, not at the poll's
+    cadence (the cancel's task found it running, so left it to its run)."""
+    model.script_batch_calls("create", [status(529)])
+    batch, _ = _prepared(context, 2)
+    _cancel_during_the_first_create(context, batch, monkeypatch)
+    task = _Task(context, "submit")
+    retries: list[dict[str, Any]] = []
+
+    def retry(**kwargs: Any) -> None:
+        retries.append(kwargs)
+        raise kwargs["exc"]
+
+    task.retry = retry  # type: ignore[method-assign]
+    with pytest.raises(RerankAttemptError):
+        leases.leased(
+            task, batch.id, economy.SUBMIT_CLAIM, lambda: submission._submit(task, batch.id)
+        )  # type: ignore[arg-type]
+    assert [r["countdown"] for r in retries] == [0.0]
 
 
 def _backend_down(context: WorkerContext, monkeypatch: pytest.MonkeyPatch) -> list[int]:

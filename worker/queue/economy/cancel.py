@@ -20,7 +20,7 @@ from worker.errors import RerankAttemptError
 from worker.queue.base import SiftTask
 from worker.queue.economy.finish import cancel_item
 from worker.queue.economy.records import DOUBT
-from worker.queue.economy.watch import batches_client, send_anew
+from worker.queue.economy.watch import SUBMIT_CLAIM, batches_client, send_anew
 
 if TYPE_CHECKING:
     from worker.adapters.anthropic_batches import AnthropicMessageBatches
@@ -118,6 +118,11 @@ def cancel_economy_batch(task: SiftTask, batch_id: str) -> None:
     worker with it takes a later try. The task failed there before, its message acked, and
     the provider batches ran on to their end, billed."""
     store = task.context.store
+    if store.economy_waiting(batch_id, SUBMIT_CLAIM):
+        # a submission waiting to try its create again (a provider outage, the processing
+        # queue full) runs now and cancels the items it has still to send: its retry came up
+        # to SIFT_ECONOMY_POLL_MAX_SECONDS later, the canceled batch running until then
+        send_anew(task, batch_id, SUBMIT_CLAIM, 0.0)
     if not store.economy_fields(batch_id, ECONOMY_PROVIDERS_KEY):
         return
     client = batches_client(task, batch_id)

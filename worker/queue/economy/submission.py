@@ -384,7 +384,10 @@ def _submit(self: SiftTask, batch_id: str) -> None:
         deadline = batch.created_at + settings.economy_deadline_seconds
         if exc.retryable and clock.now() < deadline:
             log.warning("batch %s: submission failed, retrying: %s", batch_id, exc)
-            countdown = retry_countdown(self, exc)
+            again = store.get_batch(batch_id)
+            # canceled meanwhile: tried again at once, to cancel the items it has to send
+            canceled = again is not None and again.canceled_at is not None
+            countdown = 0.0 if canceled else retry_countdown(self, exc)
             expect(self, batch_id, SUBMIT_CLAIM, countdown)
             raise self.retry(exc=exc, countdown=countdown) from exc
         log.error("batch %s: submission failed for good: %s", batch_id, exc)

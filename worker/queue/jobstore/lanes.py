@@ -187,6 +187,12 @@ class EconomyLaneRecords(_StoreCore):
             except redis.WatchError:
                 pass  # taken meanwhile: no longer ours to give back
 
+    def economy_waiting(self, batch_id: str, what: str) -> bool:
+        """Whether the economy task for ``what`` is to run again (its watch set, not met)
+        and no run of it holds its lease now: it waits for its message (a retry's)."""
+        watched = self.redis.zscore(ECONOMY_WATCH_KEY, f"{batch_id} {what}") is not None
+        return watched and not self.redis.exists(ECONOMY_LEASE_KEY + f"{batch_id} {what}")
+
     def economy_met(self, batch_id: str, what: str) -> None:
         """That economy task needs no other run (its provider batch mapped, say)."""
         self.redis.zrem(ECONOMY_WATCH_KEY, f"{batch_id} {what}")
