@@ -179,17 +179,8 @@ def _send(
 ) -> None:
     """Create a provider batch for each chunk, each id added to ``created`` as soon as it is
     made: :func:`submit` cancels them all should the batch be erased meanwhile, at whatever
-    point this stops (a refused save or record, a failed create, a lease taken).
-
-    A batch canceled meanwhile gets no create more: this chunk's items and the rest's,
-    never sent, are canceled at once, as a submission that finds the cancel at its start
-    cancels them."""
+    point this stops (a refused save or record, a failed create, a lease taken)."""
     for chunk in chunks:
-        now_batch = task.context.store.get_batch(batch.id)
-        if now_batch is not None and now_batch.canceled_at is not None:
-            for p in (p for rest in (chunk, *chunks) for p in rest):
-                cancel_item(task, now_batch, p.query_id, p.run)
-            return
         expect(task, batch.id, watch, 0.0)
         submission = new_submission()
         started = clock.now()
