@@ -63,15 +63,12 @@ def _index_written(index: str, before: dict[str, Any]) -> str | None:
     runs of an index written meanwhile were scored as one: with half its documents deleted
     while they ran, the fused run (read after) scored 0.019 against BM25's 0.054 (read
     before), and the command advised tuning the fusion, exit 0."""
-    with gateway() as client:
-        try:
-            after: dict[str, Any] = client.json(
-                "GET", f"/v1/indexes/{segment(index)}", retry_for=RETRY_SECONDS
-            )
-        except GatewayError as error:
-            if error.status_code != 404:
-                raise
-            return f"it was dropped (it held {before.get('documents')} documents)"
+    try:
+        after = _check_index(index)
+    except GatewayError as error:
+        if error.status_code != 404:
+            raise
+        return f"it was dropped (it held {before.get('documents')} documents)"
     fields = ("documents", "last_write_at")
     if all(after.get(field) == before.get(field) for field in fields):
         return None

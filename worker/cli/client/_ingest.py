@@ -268,6 +268,12 @@ class _Tally:
     def of(cls, requests: int) -> _Tally:
         return cls([0] * requests, [[] for _ in range(requests)], [0] * requests, [0] * requests)
 
+    @property
+    def not_written(self) -> int:
+        """The documents known indexed that their jobs did not write: a write of their ids
+        accepted after theirs (a delete, or a drop of the index) had landed first."""
+        return sum(self.done) - sum(self.upserted)
+
 
 def _summary(
     status: str,
@@ -303,7 +309,7 @@ def _summary(
         "indexed": sum(tally.upserted),
         "known_indexed": known,
         "not_known_indexed": len(documents) - known,
-        "not_written": known - sum(tally.upserted),
+        "not_written": tally.not_written,
         "jobs": [job for jobs in tally.jobs for job in jobs],
         "unsettled_jobs": list(tally.unsettled),
         "resume_from_line": loaded.lines[first] if first < len(documents) else None,
@@ -503,7 +509,7 @@ def ingest(
             f"in {elapsed:.1f} s"
             + (f", from line {from_line} of {plain(file)}" if from_line > 1 else "")
             + (f"; skipped {len(loaded.problems)} invalid line(s)" if loaded.problems else "")
-            + _not_written(sum(done) - sum(tally.upserted), index)
+            + _not_written(tally.not_written, index)
             # each line's write is counted: the index holds one document an id
             + (
                 f"; {len(documents) - distinct} line(s) repeated an earlier line's id and "
