@@ -175,6 +175,9 @@ def test_a_redirect_is_a_failure_and_is_not_followed(receiver: Receiver) -> None
         (500, DeliveryOutcome.RETRY),
         (503, DeliveryOutcome.RETRY),
         (429, DeliveryOutcome.RETRY),
+        # RFC 9110 (15.5.9): the server timed out waiting for the request; the client may
+        # send it again (a proxy in front of a receiver answers it): not a refusal
+        (408, DeliveryOutcome.RETRY),
         (400, DeliveryOutcome.FAILED),
         (404, DeliveryOutcome.FAILED),
         (410, DeliveryOutcome.FAILED),
