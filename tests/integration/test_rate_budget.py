@@ -619,6 +619,38 @@ def test_the_wait_on_the_breaker_is_counted_in_the_budget_wait_metric(
     assert now_total - total == pytest.approx(waited)
 
 
+def test_a_wait_on_the_breaker_that_spent_the_deadline_sends_nothing(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    """The breaker's wait overslept (a loaded host's threads wake late) until 10 ms of the
+    deadline were left, under the 50 ms an attempt needs at the least: the attempt is
+    ``budget_exhausted``, nothing sent. It went as the breaker's probe with those 10 ms and
+    timed out: a call that may be billed, counted as a request and an unread attempt (seen
+    on the real stack: ``no answer within 0.000685662s``, a request the provider never got)."""
+    clock = FakeClock()
+    sent: list[float] = []
+    held: list[RedisRateBudget] = []
+    deadline = 120.0
+
+    def sleep(seconds: float) -> None:  # woken late: 10 ms of the deadline left
+        clock.sleep(seconds)
+        clock.now = max(clock.now, started + deadline - 0.01)
+        _half_open(client, held[0].key)
+
+    pipeline, budget = build(
+        fake, client, "fail_closed", RateLimit(rpm=1_000), RecordingRecorder(),
+        deadline=deadline, clock=clock, sleep=sleep, sending=lambda: sent.append(clock.now),
+    )  # fmt: skip
+    held.append(budget)
+    budget.trip(None)
+    started = clock.now  # the search's deadline starts here: only sleeps move this clock
+    with pytest.raises(RerankFailed) as failed:
+        search(pipeline)
+    assert failed.value.reason == "budget_exhausted"
+    assert sent == [] and fake.requests() == []
+    assert failed.value.job_usage is None or failed.value.job_usage.requests == 0
+
+
 ANSWER_SECONDS = 0.5  # each call's own time on the test's clock: from send to answer
 
 

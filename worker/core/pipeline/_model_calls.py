@@ -332,7 +332,7 @@ class ModelCalls:
         while True:
             grant, waited = self._reserve(prompt, run, deadline, check, waited)
             if grant.wait <= 0:
-                return grant, waited
+                return self._in_time(grant, run, deadline, waited)
             self._wait_reserved(grant, grant.wait, run, check)
             held = budget.paused_for()
             if held > max(0.0, deadline.remaining() - self.call_time.needed()):
@@ -342,8 +342,22 @@ class ModelCalls:
                 self._wait_reserved(grant, held, run, check)
                 waited += held
             if not budget.breaker_shut(grant):
-                return grant, waited
+                return self._in_time(grant, run, deadline, waited)
             budget.settle(grant, TokenUsage(), sent=False, closes=False)
+
+    def _in_time(
+        self, grant: BudgetGrant, run: RerankRun, deadline: Deadline, waited: float
+    ) -> tuple[BudgetGrant, float]:
+        """``grant`` and ``waited``, if what the waits left of the deadline still holds the
+        call; else the grant goes back unsent and the attempt is ``budget_exhausted``. Each
+        wait was sized to leave the call its time, but a loaded host's threads wake late:
+        a wait on the breaker that overslept sent its probe with 0.7 ms left, a request
+        that timed out at once, counted as sent and possibly billed."""
+        if waited > 0 and deadline.remaining() < self.call_time.needed():
+            assert self.rate_budget is not None
+            self.rate_budget.settle(grant, TokenUsage(), sent=False, closes=False)
+            self._exhausted(run, deadline, waited, "its wait for the rate budget overran")
+        return grant, waited
 
     def _reserve(
         self,
