@@ -281,3 +281,31 @@ def test_documents_list_all_json_writes_each_page_before_reading_the_next(
     cut = CliRunner().invoke(app, ["documents", "list", "docs", "--all", "--json"])
     assert cut.exit_code == 1 and "does not exist" in cut.stderr
     assert cut.stdout.startswith('[{"id": "a"') and not cut.stdout.rstrip().endswith("]")
+
+
+def test_a_canceled_batch_s_row_shows_its_canceled_items(monkeypatch: Any) -> None:
+    """A batch canceled midway: 677 succeeded, 538 failed, 1,785 canceled. Its row read
+    ``done 3000/3000``, ``failed 538`` and nothing else, as if 2,462 had succeeded."""
+    import contextlib
+
+    from typer.testing import CliRunner
+
+    from worker.cli import app, listing
+
+    counts = {"total": 3000, "queued": 0, "running": 0, "succeeded": 677, "failed": 538,
+              "canceled": 1785}  # fmt: skip
+    batch = {**JOB, "id": "bat_14652166d5664d89b725b02bb6a0efa6", "status": "canceled",
+             "lane": "standard", "counts": counts, "usage": {"cost_usd": 6.529778},
+             "created_at": None, "finished_at": None}  # fmt: skip
+
+    @contextlib.contextmanager
+    def fake_gateway() -> Any:
+        yield gateway_of([{"batches": [batch], "next_page_token": None}], [])
+
+    monkeypatch.setattr(listing, "gateway", fake_gateway)
+    shown = CliRunner().invoke(app, ["batches"], env={"COLUMNS": "200"})
+    assert shown.exit_code == 0, shown.output
+    header, row = (line.split() for line in shown.output.splitlines()[2:5:2])
+    cells = dict(zip(header, row, strict=True))
+    assert cells["done"] == "3000/3000" and cells["failed"] == "538"
+    assert cells["canceled"] == "1785", shown.output

@@ -136,12 +136,14 @@ def batches(status: Status = None, limit: Limit = 20, json_out: JsonOut = False)
         return [
             plain(batch["id"]), _status(batch["status"]), plain(batch.get("index")),
             plain(batch.get("lane")), f"{done}/{counts.get('total', '?')}",
-            str(counts.get("failed", 0)), _cost(batch.get("usage")),
+            str(counts.get("failed", 0)), str(counts.get("canceled", 0)),
+            _cost(batch.get("usage")),
             local_time(batch.get("created_at")), local_time(batch.get("finished_at")),
         ]  # fmt: skip
 
-    columns = ["id", "status", "index", "lane", "done", "failed", "cost", "created", "finished"]
-    drop = ["finished", "lane", "index", "created", "cost"]
+    columns = ["id", "status", "index", "lane", "done", "failed", "canceled", "cost", "created",
+               "finished"]  # fmt: skip
+    drop = ["finished", "lane", "index", "created", "cost", "canceled"]
     _list("/v1/batches", "batches", "batch", status, limit, json_out, columns, row, drop)
 
 
