@@ -122,3 +122,22 @@ def test_a_batch_that_moves_during_the_inspection_s_wait_is_not_shown_moved_in_t
 
     (batch,) = collect(store, inspect, timeout=1.0).batches
     assert batch.idle_seconds is not None and batch.idle_seconds >= 0, batch.idle_seconds
+
+
+def test_a_batch_canceled_while_an_item_runs_shows_its_canceled_items(
+    store: JobStore, redis_url: str
+) -> None:
+    """A batch canceled while one of its items runs is still running (its items in flight
+    end it): its row read ``done 2/3``, ``failed 0`` and nothing else, the two items the
+    cancel ended taken for finished work. Now a ``canceled`` column says 2."""
+    spec = SearchSpec(index="docs", query="q")
+    batch_id = store.create_batch("acme", "docs", [(f"q{i}", spec) for i in range(3)]).id
+    store.start_item(batch_id, "q0")
+    store.cancel_batch(batch_id)
+    run = _status(redis_url)
+    assert run.returncode == 0, run.stderr
+    header = next(line for line in run.stdout.splitlines() if " done " in line).split()
+    [row] = [line.split() for line in run.stdout.splitlines() if batch_id in line]
+    cells = dict(zip(header, row, strict=False))  # up to age, whose cells hold a space
+    assert cells["done"] == "2/3" and cells["failed"] == "0" and cells["running"] == "1"
+    assert cells["canceled"] == "2", run.stdout

@@ -341,7 +341,7 @@ def show(console: Console, status: Status) -> None:
         console.print(f"[yellow]{plain(node)} answers Celery but has no heartbeat in Redis[/]")
 
     names = ["batch", "tenant", "index", "lane", "done", "running", "queued", "failed",
-             "cost", "age", "moved"]  # fmt: skip
+             "canceled", "cost", "age", "moved"]  # fmt: skip
     rows = []
     for b in status.batches:
         done = sum(b.counts.get(s, 0) for s in ("succeeded", "failed", "canceled"))
@@ -349,6 +349,7 @@ def show(console: Console, status: Status) -> None:
             plain(b.id), plain(b.tenant), plain(b.index), plain(b.lane), f"{done}/{b.total}",
             str(b.counts.get("running", 0)),
             str(b.counts.get("queued", 0)), str(b.counts.get("failed", 0)),
+            str(b.counts.get("canceled", 0)),
             "unknown" if not b.cost_known
             else "unpriced" if b.cost_usd is None else f"${b.cost_usd:.6f}",
             f"{b.age_seconds:.0f} s",
@@ -361,8 +362,18 @@ def show(console: Console, status: Status) -> None:
         f"Batches running: {len(status.batches)}",
         names,
         rows,
-        drop_order=["moved", "tenant", "age", "cost", "index", "failed", "lane", "queued"],
-        right=("done", "running", "queued", "failed", "cost", "age", "moved"),
+        drop_order=[
+            "moved",
+            "tenant",
+            "age",
+            "cost",
+            "index",
+            "canceled",
+            "failed",
+            "lane",
+            "queued",
+        ],
+        right=("done", "running", "queued", "failed", "canceled", "cost", "age", "moved"),
     )
     console.print(
         f"searches and batch items: {status.in_flight['queued']} queued, "
