@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -165,6 +166,24 @@ def test_sift_status_finds_the_stack_running_on_its_data_folder(
     none = _status(tmp_path, tmp_path / "no-stack")
     assert none.returncode == 1 and "no `sift up` stack runs on" in none.stderr, none.stderr
     assert "SIFT_REDIS_URL is not set" in none.stderr and "Traceback" not in none.stderr
+
+
+def test_the_printed_export_line_leads_sift_status_to_this_stack(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """The shell the user pastes ``sift up``'s ``export`` line into, in another folder: ``sift
+    status`` reads this stack. The line set SIFT_URL and SIFT_API_KEY alone, so ``sift
+    status`` (and ``sift tenant purge``) read the stack on ``.sift/data`` under the shell's
+    folder: none there (exit 1), or another stack's queues shown as this one's."""
+    (line,) = [s for s in stack.printed().splitlines() if s.startswith("export ")]
+    exported = dict(shlex.split(word)[0].split("=", 1) for word in line.split()[1:])
+    assert exported["SIFT_URL"] == stack.url, line
+    status = subprocess.run(
+        [sys.executable, "-m", "worker.cli", "status", "--json", "--no-inspect"],
+        cwd=tmp_path, env={**_env(), **exported}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["workers"], status.stdout  # this stack's, by their beats
 
 
 def test_a_purge_refuses_the_running_stacks_own_tenant(stack: Stack, tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
@@ -940,8 +941,12 @@ def up(
         console.print(f"webhooks signed with {_webhook_secret_source(settings)}", soft_wrap=True)
         console.print(f"redis    {started.redis_url}")
         console.print(f"logs     {started.logs}")
-        # one line however narrow the terminal, so that it pastes as one command
+        # one line however narrow the terminal, so that it pastes as one command; with the
+        # data folder, by which `sift status` and `sift tenant purge` find this stack's Redis
+        # (without it they read the stack on .sift/data under the shell's folder, another one)
+        folder = shlex.quote(str(settings.data_dir.resolve()))
         export = f"export SIFT_URL={started.url} SIFT_API_KEY={started.api_key}"
+        export += f" SIFT_DATA_DIR={folder}"
         console.print(f"\n{export}", soft_wrap=True)
         console.print("Ctrl-C stops everything.")
         stopping.wait()
