@@ -620,7 +620,10 @@ def test_the_compose_workers_fit_the_memory_the_readme_asks_for(compose: dict[st
     """``sift worker`` starts a process per core it sees, and a compose container sees every
     core of its host: unset, each replica ran one per host core (2 replicas on an 8-core
     laptop: 16 processes, ~9 GB at docs/reliability.md's ~600 MB each), not the "about 4 GB"
-    deploy/README.md asks for. The compose file fixes the count (deploy/.env may change it)."""
+    deploy/README.md asks for. The compose file fixes the count (deploy/.env may change it).
+    Redis's ``maxmemory`` counts too: it is what Redis may hold, and below the host's free
+    memory its ``noeviction`` refuses writes before the OOM killer stops it (the 4 GB asked
+    for left out its 2 GB: the workers, the heap and a Redis at its limit need 5.4)."""
     worker = compose["services"]["worker"]
     setting = str(worker["environment"].get("SIFT_WORKER_PROCESSES", ""))
     fixed = re.fullmatch(r"\$\{SIFT_WORKER_PROCESSES:-([1-9]\d*)\}", setting)
@@ -629,7 +632,10 @@ def test_the_compose_workers_fit_the_memory_the_readme_asks_for(compose: dict[st
     heap = re.search(r"\$\{ES_HEAP:-(\d+)g\}", COMPOSE.read_text())
     asked = re.search(r"about (\d+) GB of free memory", (DEPLOY / "README.md").read_text())
     assert heap and asked
-    needs = processes * 0.6 + int(heap.group(1))  # GB: the workers' RSS, Elasticsearch's heap
+    redis = re.search(r"\$\{REDIS_MAXMEMORY:-(\d+)gb\}", COMPOSE.read_text())
+    assert redis, "Redis's maxmemory is no longer read here"
+    # GB: the workers' RSS, Elasticsearch's heap, what Redis may hold
+    needs = processes * 0.6 + int(heap.group(1)) + int(redis.group(1))
     assert needs <= int(asked.group(1)), (processes, needs)
     example = (DEPLOY / ".env.example").read_text()
     assert re.search(rf"^SIFT_WORKER_PROCESSES={fixed.group(1)}$", example, re.MULTILINE)
