@@ -303,22 +303,30 @@ def test_a_killed_worker_is_restarted_and_the_stack_serves_again(stack: Stack) -
     assert response.json()["status"] == "succeeded", response.json()
 
 
-@pytest.mark.parametrize("where", ["under-a-file", "in-proc"])
+@pytest.mark.parametrize("where", ["under-a-file", "in-proc", "logs", "redis", "metrics"])
 def test_sift_up_names_a_data_folder_it_cannot_use(tmp_path: Path, where: str) -> None:
     """A data folder that cannot be made (a path under a file; in /proc, where not even root
     makes one) is one line naming it and ``--data-dir``, exit 1, before anything starts.
-    Before, a traceback (NotADirectoryError, FileNotFoundError from the folder's lock)."""
+    Before, a traceback (NotADirectoryError, FileNotFoundError from the folder's lock). So is
+    one whose ``logs/``, ``redis/`` or ``metrics/`` cannot be made or written (a file there;
+    root's, after a ``sudo sift up``): the lock taken, its making of them was a traceback."""
     if where == "under-a-file":
         (tmp_path / "file").write_text("")
         data_dir = tmp_path / "file" / "data"
-    else:
+    elif where == "in-proc":
         data_dir = Path("/proc/sift-test-data")
+    else:
+        data_dir = tmp_path / "data"
+        data_dir.mkdir()
+        (data_dir / where).write_text("")
     second = _up(tmp_path, "--port", str(free_port()), "--metrics-port", str(free_port()),
                  "--data-dir", str(data_dir))  # fmt: skip
     printed = " ".join((second.stdout + second.stderr).split())  # rich wraps long lines
     assert second.returncode == 1, printed
     assert f"error: the data folder {data_dir} cannot be used" in printed, printed
     assert "--data-dir (SIFT_DATA_DIR)" in printed and "Traceback" not in printed, printed
+    if where not in ("under-a-file", "in-proc"):
+        assert f"({where}/:" in printed, printed
 
 
 def _session(sid: int) -> list[int]:

@@ -28,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -805,6 +806,8 @@ class Supervisor:
 
 
 LOCK_FILE = "sift-up.lock"
+# the folders a stack makes in its data folder: its logs, Redis's AOF, the metrics' files
+STACK_FOLDERS = ("logs", "redis", "metrics")
 
 
 class StackInUse(ConfigError):
@@ -814,7 +817,8 @@ class StackInUse(ConfigError):
 def claim_data_dir(data_dir: Path, description: str) -> IO[str]:
     """Lock ``data_dir`` for this stack (``flock`` on a file in it), or raise
     :class:`StackInUse` naming the folder and the stack that holds it (a folder that cannot be
-    made or written: :class:`ConfigError` naming it and ``--data-dir``).
+    made or written, or one of its :data:`STACK_FOLDERS`: :class:`ConfigError` naming it and
+    ``--data-dir``).
 
     The lock lasts as long as the returned file stays open, and ends with this process
     (the children do not inherit it), however it ends. ``description`` (pid, ports) is
@@ -839,6 +843,16 @@ def claim_data_dir(data_dir: Path, description: str) -> IO[str]:
             f"the data folder {data_dir} is in use by another stack ({holder}); "
             "stop it, or give this one its own: --data-dir (SIFT_DATA_DIR)"
         ) from exc
+    for name in STACK_FOLDERS:  # made by the stack once started: a traceback there
+        try:
+            (data_dir / name).mkdir(exist_ok=True)
+            tempfile.TemporaryFile(dir=data_dir / name).close()
+        except OSError as exc:
+            lock.close()
+            raise ConfigError(
+                f"the data folder {data_dir} cannot be used ({name}/: {exc.strerror or exc}): "
+                "give a folder this user can write: --data-dir (SIFT_DATA_DIR)"
+            ) from exc
     lock.truncate(0)
     lock.write(description + "\n")
     lock.flush()
