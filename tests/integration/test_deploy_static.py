@@ -616,6 +616,39 @@ def test_every_pod_loads_its_settings_beside_the_service_links_of_its_namespace(
         load_settings()
 
 
+def test_every_compose_sift_service_loads_its_settings(
+    compose: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gateway's and the worker's environment as ``docker compose`` makes it from
+    deploy/.env.example (each ``${VAR:-default}`` and ``${VAR:?}`` read there, or its
+    default): every SIFT_ value a valid setting, as the pods' above. The names alone were
+    checked (test_docs_match_code.py), so a value the settings stop taking (a quantization
+    or an analyzer renamed) stopped every container at start with no test to say so."""
+    example = dict(
+        line.split("=", 1)
+        for line in (DEPLOY / ".env.example").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+    example["SIFT_API_KEYS"] = example["SIFT_API_KEYS"].replace(PLACEHOLDER_SECRET, OWN_SECRET)
+
+    def interpolated(value: object) -> str:
+        def variable(match: re.Match[str]) -> str:
+            name, default = match.group(1), match.group(3) or ""
+            return example.get(name, default if match.group(2) == ":-" else "")
+
+        return re.sub(r"\$\{([A-Z_]+)(?:(:[-?])([^}]*))?\}", variable, str(value))
+
+    for name in ("gateway", "worker"):
+        env = {k: interpolated(v) for k, v in compose["services"][name]["environment"].items()}
+        assert env["SIFT_API_KEYS"].startswith("[{"), env  # read from the example
+        for variable in [v for v in os.environ if v.upper().startswith("SIFT_")]:
+            monkeypatch.delenv(variable)
+        for variable, value in env.items():
+            monkeypatch.setenv(variable, value)
+        settings = load_settings()
+        assert settings.search_backend == "elasticsearch", name
+
+
 def test_the_compose_workers_fit_the_memory_the_readme_asks_for(compose: dict[str, Any]) -> None:
     """``sift worker`` starts a process per core it sees, and a compose container sees every
     core of its host: unset, each replica ran one per host core (2 replicas on an 8-core
