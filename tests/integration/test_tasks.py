@@ -26,6 +26,7 @@ from worker.core.types import RerankPrompt, RerankReply
 from worker.errors import BackendUnavailable, ModeUnavailable
 from worker.queue import base, liveness, tasks, webhook_task
 from worker.queue.economy import is_prepared
+from worker.queue.intake import INTAKE
 from worker.queue.jobstore import BatchJob, CancelOutcome, JobStore, RunClaim, SearchJob
 from worker.runtime.bootstrap import build_pipeline
 from worker.runtime.inprocess import Runtime
@@ -428,6 +429,38 @@ def test_a_batch_item_run_whose_claim_a_copy_took_over_during_its_slot_wait_stop
     (item,) = store.batch_items(batch.id, ["q0"])
     assert item.status == "running", item  # not finished, not failed
     assert not store.claim_item(batch.id, "q0", "w1", lease_seconds=30.0).granted
+
+
+def test_a_batch_item_whose_worker_stops_during_its_slot_wait_goes_back_unretrieved(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SIGTERM (the item queue's hand-back) while a started item waits for its CPU slot:
+    it goes back once it holds the slot, before its retrieval, `queued` again with its claim
+    let go uncounted. It ran its retrieval first and went back at its model call: with the
+    300 items a worker starts queued for its few slots, a rolling restart waited for every
+    one's retrieval, thrown away, and was cut off at its stop deadline (25 s, 57 items still
+    `running`, counted lost, on a real stack whose model answered in 1 s)."""
+    store = context.store
+    store.redis.set(WORKER_HEARTBEAT_KEY + "w1", "1", px=60_000)
+    monkeypatch.setattr(liveness, "run_owner", lambda: "w1")
+    monkeypatch.setattr(INTAKE, "_stopping", False)  # the chunk's hand-back stops the intake
+    spec = SearchSpec(index="docs", query="volcano ash", limit=2)
+    batch = store.create_batch("acme", "docs", [("q0", spec)])
+    calls: list[RerankPrompt] = []
+
+    def model_call(prompt: RerankPrompt, timeout: float) -> RerankReply:
+        calls.append(prompt)
+        return reply([0, 1])(prompt, timeout)
+
+    runtime = _slot_waiting_runtime(context, monkeypatch, 2.0, model_call, context.items.hand_back)
+    backend = runtime.pipeline.backend
+    assert isinstance(backend, InMemoryBackend)
+    tasks.batch_chunk.apply(args=[batch.id, 0, 1])
+    assert backend.calls == [] and calls == [], (backend.calls, calls)
+    (item,) = store.batch_items(batch.id, ["q0"])
+    assert item.status == "queued", item
+    claim = store.claim_item(batch.id, "q0", "w2", lease_seconds=30.0)
+    assert claim.granted and claim.lost == 0 and claim.spent == 0.0, claim
 
 
 def test_a_retried_search_s_spent_time_starts_once_its_first_run_held_its_cpu_slot(

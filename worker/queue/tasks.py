@@ -518,7 +518,9 @@ class _ChunkItems:
             # it ran, so a re-driven chunk (its retry message lost, retries 0) that
             # finds it queued does not count its wait again
             metrics.observe_queue_wait(BATCH_QUEUE, waited)
-        answers = self.held[item.query_id] = store.item_answers(batch_id, item.query_id, item_claim)
+        answers = self.held[item.query_id] = store.item_answers(
+            batch_id, item.query_id, item_claim, self.stopping
+        )
         checked.billed = _kept_usage(item_claim.answer)
         result = runtime.search(
             item.spec, self.batch.tenant, checked, spent=item_claim.spent, answers=answers

@@ -92,7 +92,7 @@ from worker.constants import (
     SEARCH_KEY,
     WORKER_HEARTBEAT_KEY,
 )
-from worker.errors import RunTakenOver
+from worker.errors import HandedBack, RunTakenOver
 from worker.queue.jobstore.store import _StoreCore
 
 log = logging.getLogger(__name__)
@@ -143,6 +143,8 @@ class ClaimAnswers:
     figures: list[Callable[[], None]] = dataclass_field(default_factory=list)
     life: str = ""  # the job record the claim lives as long as ('' : the claim's own hash)
     unkept: list[str] = dataclass_field(default_factory=list)  # the answer Redis did not take
+    # a batch item's: whether its worker is stopping (its slot_held hands the run back then)
+    stopping: Callable[[], bool] | None = None
 
     def saved(self) -> Mapping[str, Any] | None:
         return json.loads(self.claim.answer) if self.claim.answer else None
@@ -179,7 +181,13 @@ class ClaimAnswers:
         :data:`SLOT_WAIT_RESTARTS_CLAIM_SECONDS`) is left counted, saving a round trip per search;
         if Redis fails, the search goes on, the claim as it was. Refused (a copy took the claim over
         during the wait), the run stops: :class:`RunTakenOver`, before its model call, which the
-        copy makes."""
+        copy makes. A batch item whose worker began stopping meanwhile (``stopping``), with
+        no answer kept, stops here too: :class:`HandedBack`, before its retrieval. It went
+        through its retrieval first and was handed back at its model call: hundreds of items
+        queued for the slots at a SIGTERM held the stop to its deadline, their retrievals
+        thrown away, and those still running then were counted lost."""
+        if self.stopping is not None and not self.claim.answer and self.stopping():
+            raise HandedBack(f"{self.key} {self.field}: the worker is stopping")
         if waited < SLOT_WAIT_RESTARTS_CLAIM_SECONDS:
             return
         try:
@@ -295,10 +303,19 @@ class RunRecords(_StoreCore):
         """Where the run holding ``claim`` keeps its model's answer, and finds an earlier one."""
         return ClaimAnswers(self, SEARCH_KEY + job_id, "run", claim)
 
-    def item_answers(self, batch_id: str, query_id: str, claim: RunClaim) -> ClaimAnswers:
+    def item_answers(
+        self,
+        batch_id: str,
+        query_id: str,
+        claim: RunClaim,
+        stopping: Callable[[], bool] | None = None,
+    ) -> ClaimAnswers:
+        """The item's run claim as its keeper; ``stopping``: its worker's stop, which hands
+        the run back once it holds its CPU slot (:meth:`ClaimAnswers.slot_held`)."""
         return ClaimAnswers(
-            self, BATCH_RUNS_KEY + batch_id, query_id, claim, life=BATCH_KEY + batch_id
-        )
+            self, BATCH_RUNS_KEY + batch_id, query_id, claim, life=BATCH_KEY + batch_id,
+            stopping=stopping,
+        )  # fmt: skip
 
     def keep_answer(self, key: str, field: str, claim: RunClaim, answer: str) -> bool:
         """Keep ``answer`` in the claim, if its run still holds it; answers whether it did."""
