@@ -182,10 +182,9 @@ class ClaimAnswers:
         if Redis fails, the search goes on, the claim as it was. Refused (a copy took the claim over
         during the wait), the run stops: :class:`RunTakenOver`, before its model call, which the
         copy makes. A batch item whose worker began stopping meanwhile (``stopping``), with
-        no answer kept, stops here too: :class:`HandedBack`, before its retrieval. It went
-        through its retrieval first and was handed back at its model call: hundreds of items
-        queued for the slots at a SIGTERM held the stop to its deadline, their retrievals
-        thrown away, and those still running then were counted lost."""
+        no answer kept, stops here too: :class:`HandedBack`, before its retrieval, so the
+        hundreds of items queued for the slots at a SIGTERM run no retrieval the stop would
+        throw away."""
         if self.stopping is not None and not self.claim.answer and self.stopping():
             raise HandedBack(f"{self.key} {self.field}: the worker is stopping")
         if waited < SLOT_WAIT_RESTARTS_CLAIM_SECONDS:
