@@ -72,7 +72,7 @@ class WebhookOut(BaseModel):
         description="`pending`: no attempt made yet (the job runs, or its first attempt is "
         "in flight); `retrying`: an attempt failed and the next one is due (the schedule "
         "runs up to 8 attempts over about 33 hours); `delivered`: the receiver answered 2xx; "
-        "`failed`: it refused it (a 4xx other than 408 and 429, a redirect, an address the SSRF "
+        "`failed`: it refused it (410 Gone, a redirect, an address the SSRF "
         "guard refused), or every attempt of the schedule failed. `delivered` is final; "
         "`failed` may still turn `delivered` when a copy sent before the give-up reaches the "
         "receiver."

@@ -244,11 +244,11 @@ def _webhook_until(client: httpx.Client, path: str, status: str) -> dict[str, An
 def test_a_job_s_get_shows_where_its_webhook_stands(stack: Stack, corpus: object) -> None:
     """A search's and a batch's ``GET`` carry ``webhook``: ``retrying`` with the attempts made
     while the receiver answers 500, ``delivered`` with every attempt counted once it answers
-    204, ``failed`` after one attempt answered 404, and ``null`` without a ``webhook_url``;
+    204, ``failed`` after one attempt answered 410 Gone, and ``null`` without a ``webhook_url``;
     another tenant sees none of it (404). Before: nothing about the webhook at all."""
     receiver = _ScriptedReceiver()
     refusing = _ScriptedReceiver()
-    refusing.status = 404
+    refusing.status = 410
     try:
         plain = stack.live.post(
             "/v1/searches", json={"index": INDEX, "query": "tea"}, headers=ACME

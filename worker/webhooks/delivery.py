@@ -86,18 +86,19 @@ JITTER = 0.2  # each delay is scaled by a uniform factor in [1 - JITTER, 1 + JIT
 MAX_RETRY_AFTER_SECONDS = 36000.0  # a receiver's Retry-After is honoured up to this
 
 
-# The 4xx answers that are not a refusal: 408, the receiver (or a proxy in front of it)
-# timed out waiting for the request, which RFC 9110 (15.5.9) lets the client send again; 429,
-# too many requests. Every other 4xx is final.
-RETRIED_4XX = frozenset({408, 429})
+# The one answer that ends a webhook at once: 410 Gone, the receiver saying its URL is gone
+# for good. Any other 4xx is tried again on the schedule, as Svix's (whose schedule this is):
+# a receiver mid-deploy answers 404 for a while, one whose secret is being rotated 401, and a
+# webhook refused for good at the first such answer was lost though the receiver came back.
+GONE = 410
 
 
 class DeliveryOutcome(StrEnum):
     """The class of one delivery attempt; also the ``result`` label of the metric."""
 
     DELIVERED = "delivered"  # 2xx
-    RETRY = "retry"  # 5xx, 408, 429, timeout, connection error: try again later
-    FAILED = "failed"  # other 4xx, a redirect, an SSRF refusal: never retried
+    RETRY = "retry"  # 4xx but 410, 5xx, timeout, connection error: try again later
+    FAILED = "failed"  # 410 Gone, a redirect, an SSRF refusal: never retried
 
 
 @dataclass(frozen=True)
@@ -381,9 +382,9 @@ def _classify(response: httpx.Response) -> DeliveryResult:
         return DeliveryResult(DeliveryOutcome.DELIVERED, f"http {code}", code)
     if 300 <= code < 400:
         return DeliveryResult(DeliveryOutcome.FAILED, f"redirect {code} not followed", code)
-    if code in RETRIED_4XX or code >= 500:
-        return DeliveryResult(DeliveryOutcome.RETRY, f"http {code}", code, _retry_after(response))
-    return DeliveryResult(DeliveryOutcome.FAILED, f"http {code}", code)
+    if code == GONE:
+        return DeliveryResult(DeliveryOutcome.FAILED, f"http {code}", code)
+    return DeliveryResult(DeliveryOutcome.RETRY, f"http {code}", code, _retry_after(response))
 
 
 def deliver(
@@ -530,7 +531,7 @@ def run_delivery(
     final figures (:func:`payload`), which the event carries from its first attempt on, so
     every attempt sends the same bytes. ``retry_in`` is the countdown for the next
     attempt, or None when this attempt was final: delivered, failed for good, or
-    the schedule is spent (``gave_up``). A 408/429/5xx ``Retry-After`` lengthens the
+    the schedule is spent (``gave_up``). A 4xx's or 5xx's ``Retry-After`` lengthens the
     wait, never shortens it. ``tenant``: whose webhook (its share of the lookup threads).
     """
     when = datetime.fromisoformat(occurred_at) if isinstance(occurred_at, str) else occurred_at
@@ -561,7 +562,7 @@ def decide(
     rng: random.Random | None = None,
 ) -> DeliveryDecision:
     """What comes after attempt ``attempt`` of ``job_id``'s webhook ended as ``result``: a
-    retry on the schedule (a 408/429/5xx ``Retry-After`` lengthens the wait, never shortens it),
+    retry on the schedule (a 4xx's or 5xx's ``Retry-After`` lengthens the wait, never shortens it),
     or nothing (delivered, failed for good, or the schedule spent)."""
     retry_in: float | None = None
     if result.outcome is DeliveryOutcome.RETRY:
