@@ -872,6 +872,24 @@ def test_no_time_left_is_a_timeout_without_a_request(
     assert fake.requests() == []
 
 
+def test_an_attempt_out_of_time_before_its_first_byte_is_never_sent(
+    fake_from_env: FakeAnthropic,
+) -> None:
+    """An attempt given a microsecond on a kept-alive connection: its deadline is over before
+    the SDK writes a byte of the request. The provider never saw it, so it is no request in
+    the usage (a batch of 17,000 items had one counted ``requests: 2`` where the fake saw 1)."""
+    fake = fake_from_env
+    reranker = AnthropicReranker(MODEL)
+    try:
+        reranker.rerank(make_prompt(), 5.0)  # leaves its client's connection open, idle
+        error = attempt_error(reranker, timeout=1e-6)
+    finally:
+        reranker.close()
+    assert error.outcome is AttemptOutcome.TIMEOUT
+    assert len(fake.requests()) == 1
+    assert not error.sent
+
+
 def test_a_sampling_parameter_would_be_refused(
     fake: FakeAnthropic, client: anthropic.Anthropic
 ) -> None:

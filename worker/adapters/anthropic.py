@@ -597,10 +597,12 @@ def _status_class(exc: anthropic.APIStatusError) -> RerankAttemptError:
 
 def _never_connected(exc: anthropic.APIConnectionError) -> bool:
     """Whether the SDK's connection error or timeout came before any byte of the request left:
-    the host not found or not answering its lookup in time, the connection refused, or not
-    made (TCP or TLS) in time. The provider never saw such a request, so it is no request in
-    the search's usage and the rate budget gets it back; a connection that broke or timed out
-    later may have carried the request, and counts as sent."""
+    the host not found or not answering its lookup in time, the connection refused, not
+    made (TCP or TLS) in time, or the attempt's deadline over before its request's first
+    write (:class:`~worker.adapters.attempt_deadline.Unsent`). The provider never saw such a
+    request, so it is no request in the search's usage and the rate budget gets it back; a
+    connection that broke or timed out later may have carried the request, and counts as
+    sent."""
     http = _http()
     return isinstance(exc.__cause__, http.ConnectError | http.ConnectTimeout)
 

@@ -61,17 +61,33 @@ def _left(timeout: float | None, expired: type[httpcore2.TimeoutException]) -> f
     return left if timeout is None else min(timeout, left)
 
 
+class Unsent(httpcore2.ConnectTimeout):
+    """The attempt's deadline was over before the first byte of its request was written: a
+    ConnectTimeout, as the SDK's caller reads one (:func:`_never_connected
+    <worker.adapters.anthropic._never_connected>`), since the provider saw nothing."""
+
+
 class DeadlineStream(httpcore2.NetworkStream):
-    """A connection whose every read and write waits at most until the attempt's deadline."""
+    """A connection whose every read and write waits at most until the attempt's deadline.
+
+    A request's writes come before its answer's reads, so a write with no write since the
+    last read is its first: one whose deadline is over raises :class:`Unsent`. It raised a
+    WriteTimeout, read as a request that may have gone out, on a kept-alive connection that
+    a late thread reached with its deadline spent: counted in the search's usage, unread,
+    never seen by the provider."""
 
     def __init__(self, inner: httpcore2.NetworkStream) -> None:
         self._inner = inner
+        self._writing = False  # a byte of the current request written
 
     def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        self._writing = False
         return self._inner.read(max_bytes, _left(timeout, httpcore2.ReadTimeout))
 
     def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        self._inner.write(buffer, _left(timeout, httpcore2.WriteTimeout))
+        left = _left(timeout, httpcore2.WriteTimeout if self._writing else Unsent)
+        self._writing = True
+        self._inner.write(buffer, left)
 
     def close(self) -> None:
         self._inner.close()
