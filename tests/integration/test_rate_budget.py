@@ -651,6 +651,40 @@ def test_a_wait_on_the_breaker_that_spent_the_deadline_sends_nothing(
     assert failed.value.job_usage is None or failed.value.job_usage.requests == 0
 
 
+def test_a_retry_whose_checks_spent_the_deadline_sends_nothing(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    """A batch item's retry after a malformed answer: its cancel check (a Redis round trip on
+    a loaded host) returns with 10 ms of the deadline left, and the budget grants the call at
+    once. The retry is ``budget_exhausted``, nothing sent. With no wait for the budget nothing
+    looked at the deadline again, and it went with those 10 ms and timed out: a request
+    counted, possibly billed, never read."""
+    clock = FakeClock()
+    sent: list[float] = []
+    deadline = 120.0
+    pipeline, _ = build(
+        fake, client, "fail_closed", RateLimit(rpm=1_000), RecordingRecorder(),
+        deadline=deadline, clock=clock, sleep=clock.sleep, sending=lambda: sent.append(clock.now),
+    )  # fmt: skip
+    fake.script([fa.malformed('{"positions": [1, 2'), fa.good()])
+
+    def slow_check(billed: object) -> None:  # the retry's, answered late: 10 ms left
+        if billed is not None:
+            clock.now = max(clock.now, started + deadline - 0.01)
+
+    started = clock.now  # the search's deadline starts here
+    spec = SearchSpec(index="docs", query="volcano ash", limit=5)
+    failed: RerankFailed | None = None
+    try:
+        pipeline.search(spec, "acme", slow_check)
+    except RerankFailed as exc:
+        failed = exc
+    assert len(sent) == 1 and len(fake.requests()) == 1  # the malformed answer's alone
+    assert failed is not None and failed.reason == "budget_exhausted"
+    assert failed.job_usage is not None and failed.job_usage.requests == 1
+    fake.reset()  # the good answer scripted for the retry was never asked for
+
+
 ANSWER_SECONDS = 0.5  # each call's own time on the test's clock: from send to answer
 
 

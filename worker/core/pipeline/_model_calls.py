@@ -225,6 +225,9 @@ class ModelCalls:
                     self.rate_budget.settle(grant, TokenUsage(), sent=False)
                     raise
             timeout = min(timeout, deadline.remaining())
+            if timeout < MIN_ATTEMPT_SECONDS:  # no wait, but a slow check or reservation
+                self.rate_budget.settle(grant, TokenUsage(), sent=False, closes=False)
+                self._exhausted(run, deadline, waited, "its checks before the send overran")
             detail["budget_wait_seconds"] = waited
         run.backed_off = 0.0
         sent = self.clock()
