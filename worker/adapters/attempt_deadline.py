@@ -71,10 +71,9 @@ class DeadlineStream(httpcore2.NetworkStream):
     """A connection whose every read and write waits at most until the attempt's deadline.
 
     A request's writes come before its answer's reads, so a write with no write since the
-    last read is its first: one whose deadline is over raises :class:`Unsent`. It raised a
-    WriteTimeout, read as a request that may have gone out, on a kept-alive connection that
-    a late thread reached with its deadline spent: counted in the search's usage, unread,
-    never seen by the provider."""
+    last read is its first: one whose deadline is over raises :class:`Unsent`, not a
+    WriteTimeout (a request that may have gone out), since the provider saw nothing of it: a
+    kept-alive connection reached by a late thread with its deadline spent."""
 
     def __init__(self, inner: httpcore2.NetworkStream) -> None:
         self._inner = inner

@@ -225,7 +225,9 @@ class ModelCalls:
                     self.rate_budget.settle(grant, TokenUsage(), sent=False)
                     raise
             timeout = min(timeout, deadline.remaining())
-            if timeout < MIN_ATTEMPT_SECONDS:  # no wait, but a slow check or reservation
+            # no wait, but a slow check or reservation spent the deadline (not a short
+            # attempt timeout the settings chose: that one is sent as set)
+            if deadline.remaining() < MIN_ATTEMPT_SECONDS:
                 self.rate_budget.settle(grant, TokenUsage(), sent=False, closes=False)
                 self._exhausted(run, deadline, waited, "its checks before the send overran")
             detail["budget_wait_seconds"] = waited
