@@ -16,7 +16,8 @@ import sys
 import time
 from typing import Any
 
-from worker.constants import ACTIVE_JOBS_KEY, ECONOMY_PREPARED_KEY
+from worker.clock import server_seconds
+from worker.constants import ACTIVE_JOBS_KEY, ECONOMY_PREPARED_KEY, WEBHOOKS_OWED_KEY
 from worker.contract import RerankInfo, SearchResult, SearchSpec
 from worker.queue.jobstore import JobStore
 from worker.queue.redrive import Sweeper
@@ -141,3 +142,43 @@ def test_a_batch_canceled_while_an_item_runs_shows_its_canceled_items(
     cells = dict(zip(header, row, strict=False))  # up to age, whose cells hold a space
     assert cells["done"] == "2/3" and cells["failed"] == "0" and cells["running"] == "1"
     assert cells["canceled"] == "2", run.stdout
+
+
+def test_the_webhooks_owed_are_counted_with_those_overdue_and_waiting_for_a_retry(
+    store: JobStore, redis_url: str
+) -> None:
+    """``sift status`` showed the webhook queue's messages only: not how many webhooks are
+    owed (``sift:webhooks-owed``), nor those stuck, due long ago and not sent (a lost message
+    before the re-drive's grace, webhook workers away), nor those waiting out a retry's
+    countdown. Now counts of all tenants' (no job named), and the oldest overdue's age on
+    Redis's clock."""
+    spec = SearchSpec(index="docs", query="q")
+    ids = [store.create_search("acme", spec, webhook_url="https://h.example/x").id for _ in "abcd"]
+    for job_id in ids:  # each final move records its webhook owed, due at once
+        store.start_search(job_id)
+        store.finish_search(job_id, result=SearchResult(hits=[], rerank=RerankInfo(applied=False)))
+    before = server_seconds(store.redis.time())
+    store.webhook_due(ids[0], before + 300, attempt=2)  # its first attempt failed
+    # two stuck: due 10 and 2 minutes ago, and never sent
+    store.redis.zadd(WEBHOOKS_OWED_KEY, {ids[1]: before - 600, ids[2]: before - 120}, xx=True)
+
+    run = _status(redis_url, "--json")
+    after = server_seconds(store.redis.time())
+    assert run.returncode == 0, run.stderr
+    webhooks = json.loads(run.stdout)["webhooks"]
+    oldest = webhooks.pop("oldest_overdue_seconds")
+    assert webhooks == {"owed": 4, "waiting_retry": 1, "overdue": 2}, webhooks
+    assert 600 <= oldest <= after - before + 600, oldest  # the one due 10 minutes ago
+    assert "acme" not in run.stdout.partition('"webhooks"')[2]  # counts, no tenant's data
+
+    table = _status(redis_url, columns=80)
+    assert table.returncode == 0, table.stderr
+    [line] = [line for line in table.stdout.splitlines() if line.startswith("webhooks owed")]
+    assert line.startswith("webhooks owed 4: 1 waiting for a retry, 2 overdue (oldest due 6")
+    assert len(line) <= 80
+
+    store.redis.delete(WEBHOOKS_OWED_KEY)  # none owed: no age to give
+    webhooks = json.loads(_status(redis_url, "--json").stdout)["webhooks"]
+    assert webhooks == {
+        "owed": 0, "waiting_retry": 0, "overdue": 0, "oldest_overdue_seconds": None
+    }  # fmt: skip

@@ -18,7 +18,11 @@ API key and no tenant. What it shows, and where each figure comes from:
   and in the economy lane's watch (``sift:eco-watch``: an economy batch waiting on its
   provider batches, which has left the active set), with their lane, counts, what their
   finished items' model calls cost so far, and when their status last moved (known for those
-  in the active set); and the searches and ingests in the active set.
+  in the active set); and the searches and ingests in the active set;
+- **webhooks owed**: ``sift:webhooks-owed`` in counts (no job named: all tenants'), those
+  waiting out a retry's countdown (due later) and those overdue, due more than
+  :data:`WEBHOOK_OVERDUE_SECONDS` ago and not settled, with the oldest's age: a stuck one
+  (its message lost, its workers away), which the webhook queue's own figures do not show.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from worker.constants import (
     KOMBU_PRIORITY_STEPS,
     KOMBU_UNACKED_KEY,
     SEARCH_ID_PREFIX,
+    WEBHOOKS_OWED_KEY,
     WORKER_HEARTBEAT_KEY,
     kombu_queue_keys,
 )
@@ -59,6 +64,10 @@ from worker.processes.stack import holds_data_dir
 from worker.queue.jobstore import JobStore
 from worker.redis_client import CONNECTION_OPTIONS
 from worker.settings import load_settings
+
+# a webhook owed whose next message was due longer ago is overdue: its attempt (30 s at most,
+# SIFT_WEBHOOK_TOTAL_TIMEOUT_SECONDS) has mostly ended by then, or was never made
+WEBHOOK_OVERDUE_SECONDS = 60.0
 
 Inspect = Callable[[float], tuple[dict[str, Any], dict[str, Any]]]  # (active, stats) by node
 
@@ -110,6 +119,14 @@ class BatchRow:
 
 
 @dataclass
+class WebhooksOwed:
+    owed: int
+    waiting_retry: int  # due later: waiting out a retry's countdown
+    overdue: int  # due more than WEBHOOK_OVERDUE_SECONDS ago
+    oldest_overdue_seconds: float | None  # None: none overdue
+
+
+@dataclass
 class Status:
     queues: list[QueueRow]
     workers: list[WorkerRow]
@@ -119,6 +136,7 @@ class Status:
     active_searches: int
     active_ingests: int
     in_flight: dict[str, int]
+    webhooks: WebhooksOwed
 
 
 def _unacked(client: redis.Redis) -> dict[str, tuple[str, Delivery]]:
@@ -236,6 +254,21 @@ def _batches(
     return rows
 
 
+def _webhooks(client: redis.Redis, now: float) -> WebhooksOwed:
+    """The webhooks owed, in counts, read in one ``MULTI`` (ZCARD, ZCOUNT and the lowest
+    score: no scan of the set, nor of any job's record)."""
+    pipe = client.pipeline()
+    pipe.zcard(WEBHOOKS_OWED_KEY)
+    pipe.zcount(WEBHOOKS_OWED_KEY, f"({now!r}", "+inf")
+    pipe.zcount(WEBHOOKS_OWED_KEY, "-inf", f"({now - WEBHOOK_OVERDUE_SECONDS!r}")
+    pipe.zrange(WEBHOOKS_OWED_KEY, 0, 0, withscores=True)
+    owed, waiting, overdue, first = cast(
+        tuple[int, int, int, list[tuple[str, float]]], pipe.execute()
+    )
+    oldest = round(now - first[0][1], 1) if overdue else None
+    return WebhooksOwed(owed, waiting, overdue, oldest)
+
+
 def celery_inspect(redis_url: str) -> Inspect:
     """Celery's own inspection of the workers, over the broker's pidbox: ``active`` and
     ``stats``, asked at once, each waiting ``timeout`` seconds for the replies."""
@@ -287,6 +320,7 @@ def collect(store: JobStore, inspect: Inspect | None, timeout: float) -> Status:
         active_searches=sum(1 for j, _ in jobs if j.startswith(SEARCH_ID_PREFIX)),
         active_ingests=sum(1 for j, _ in jobs if j.startswith(INGEST_ID_PREFIX)),
         in_flight=store.in_flight(),
+        webhooks=_webhooks(client, now),
     )
 
 
@@ -380,6 +414,13 @@ def show(console: Console, status: Status) -> None:
         f"{status.in_flight['running']} running; unfinished searches {status.active_searches}, "
         f"ingests {status.active_ingests}"
     )
+    hooks = status.webhooks
+    overdue = f"{hooks.overdue} overdue"
+    if hooks.oldest_overdue_seconds is not None:
+        overdue = f"[yellow]{overdue} (oldest due {hooks.oldest_overdue_seconds:.0f} s ago)[/]"
+    console.print(
+        f"webhooks owed {hooks.owed}: {hooks.waiting_retry} waiting for a retry, {overdue}"
+    )
 
 
 def _no_stack(data_dir: Path, why: str) -> str:
@@ -400,8 +441,8 @@ def status_command(
         bool, typer.Option("--no-inspect", help="skip Celery's inspection (Redis only)")
     ] = False,
 ) -> None:
-    """The queues, the workers alive and their work, and the batches running (SIFT_REDIS_URL,
-    or the sift up stack on SIFT_DATA_DIR)."""
+    """The queues, the workers alive and their work, the batches running and the webhooks owed
+    (SIFT_REDIS_URL, or the sift up stack on SIFT_DATA_DIR)."""
     err = cli_console(stderr=True)
     try:
         settings = load_settings()
