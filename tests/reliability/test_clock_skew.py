@@ -373,16 +373,19 @@ def test_sift_status_on_a_host_minutes_off_shows_the_ages_on_the_shared_clock(
     tmp_path: Path, model: FakeAnthropic
 ) -> None:
     """``sift status`` run on a host 6 minutes behind, of a worker 6 minutes ahead and a
-    batch created on the shared clock: the worker's heartbeat age and the batch's age are
-    the time since, on Redis's clock (each between what Redis read before the command ran
-    and after). Before, the command measured them on its host's clock, and the worker
-    wrote its heartbeat on its own: the batch was -6 minutes old and the heartbeat -12."""
+    batch created on the shared clock: the worker's heartbeat age, the batch's age and the
+    age of a webhook owed since 10 minutes ago are the time since, on Redis's clock (each
+    between what Redis read before the command ran and after). Before, the command measured
+    them on its host's clock, and the worker wrote its heartbeat on its own: the batch was -6
+    minutes old and the heartbeat -12."""
     with redis_server(tmp_path / "redis") as url:
         env = stack_env(url + "/0", model.url)
         store = JobStore.from_url(url + "/0")
         batch = store.create_batch("acme", "docs", [("q0", SearchSpec(index="docs", query="q"))])
         store.start_item(batch.id, "q0")
         shared = store.redis
+        stuck = server_seconds(shared.time()) - 600  # a webhook owed, due 10 minutes ago
+        shared.zadd(WEBHOOKS_OWED_KEY, {"srch_stuck": stuck})
         with celery_worker(tmp_path / "w", skewed(env, "+6m"), "ahead"):
             wait_for(lambda: bool(list(shared.scan_iter(WORKER_HEARTBEAT_KEY + "*"))), "a beat")
             [beat_key] = list(shared.scan_iter(WORKER_HEARTBEAT_KEY + "*"))
@@ -404,6 +407,8 @@ def test_sift_status_on_a_host_minutes_off_shows_the_ages_on_the_shared_clock(
     assert read_from - beat_after - 1 <= age <= read_by - beat_before + 1, age
     age = shown["age_seconds"]
     assert read_from - batch.created_at - 0.1 <= age <= read_by - batch.created_at + 0.1, age
+    age = status["webhooks"]["oldest_overdue_seconds"]
+    assert read_from - stuck - 0.1 <= age <= read_by - stuck + 0.1, age
 
 
 @pytest.mark.timeout(240)
