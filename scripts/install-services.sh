@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs the services Sift's demo and tests start themselves: redis-server and prometheus.
+# Installs the services Sift's demo and tests start themselves: redis-server and prometheus;
+# and libfaketime (apt's faketime), which the clock-skew tests run processes under.
 # Sift needs Redis 7.0 or later (its scripts declare flags, which Redis 6 refuses to load):
 # a redis-server older, installed or the one apt offers (Debian 11, Ubuntu 22.04: 6.0.16),
 # is refused, saying where to get a newer one, rather than installed for `sift up` to refuse.
@@ -30,6 +31,8 @@ else
   need+=(redis-server)
 fi
 command -v prometheus >/dev/null || need+=(prometheus)
+# the clock-skew tests skip without it; only where apt is (a brew machine skips them)
+command -v faketime >/dev/null || ! command -v apt-get >/dev/null || need+=(faketime)
 [ ${#need[@]} -eq 0 ] && exit 0
 sudo=""
 [ "$(id -u)" -eq 0 ] || sudo="sudo"

@@ -17,10 +17,12 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "install-services.sh"
 def test_an_installed_redis_older_than_7_is_refused(
     tmp_path: Path, version: str, refused: bool
 ) -> None:
-    """A ``redis-server`` on ``PATH`` saying ``version``, and a ``prometheus``: nothing to
-    install, so a Redis 7 passes (exit 0) and a Redis 6 is refused, saying where to get 7."""
+    """A ``redis-server`` on ``PATH`` saying ``version``, a ``prometheus`` and a ``faketime``:
+    nothing to install, so a Redis 7 passes (exit 0) and a Redis 6 is refused, saying where to
+    get 7."""
     for name, says in [("redis-server", f"Redis server v={version} sha=00000000:0"),
-                       ("prometheus", "prometheus, version 2.45.3")]:  # fmt: skip
+                       ("prometheus", "prometheus, version 2.45.3"),
+                       ("faketime", "faketime: Version 0.9.10")]:  # fmt: skip
         fake = tmp_path / name
         fake.write_text(f"#!/bin/sh\necho '{says}'\n")
         fake.chmod(0o755)
