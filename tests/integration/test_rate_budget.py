@@ -361,8 +361,7 @@ def build(
         generation_model=f"anthropic:{MODEL}",
         rerank_failure_policy=policy,
         search_deadline_seconds=deadline,
-        generation_timeout_seconds=2.0 if clock is time.monotonic else 30.0,
-        **more,
+        **{"generation_timeout_seconds": 2.0 if clock is time.monotonic else 30.0, **more},
     )
     budget = RedisRateBudget(client, MODEL, limits)
 
@@ -683,6 +682,24 @@ def test_a_retry_whose_checks_spent_the_deadline_sends_nothing(
     assert failed is not None and failed.reason == "budget_exhausted"
     assert failed.job_usage is not None and failed.job_usage.requests == 1
     fake.reset()  # the good answer scripted for the retry was never asked for
+
+
+def test_an_attempt_timeout_set_under_the_send_s_floor_is_sent_as_set(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    """``SIFT_GENERATION_TIMEOUT_SECONDS`` set to 30 ms, under the 50 ms the send's last check
+    wants left of the search's deadline: the deadline has seconds left, so the call is sent
+    (answered in time or timed out), never ``budget_exhausted`` unsent for a timeout the
+    settings chose."""
+    pipeline, _ = build(
+        fake, client, "fail_open", RateLimit(rpm=1_000), RecordingRecorder(),
+        deadline=10.0, generation_timeout_seconds=0.03, generation_max_requests=1,
+    )  # fmt: skip
+    fake.script([fa.good()])
+    result = pipeline.search(SearchSpec(index="docs", query="volcano ash", limit=5), "acme")
+    assert len(fake.requests()) == 1
+    assert result.rerank.fallback_reason != "error:budget_exhausted", result.rerank
+    fake.reset()
 
 
 ANSWER_SECONDS = 0.5  # each call's own time on the test's clock: from send to answer
