@@ -351,6 +351,10 @@ def test_sigterm_hands_the_batch_back_and_another_worker_finishes_it_once(
         assert_batch_exactly_once(client, url, batch_id, TOTAL)
         calls = model_calls(model)
         assert calls == Counter({f"q{i:05d}": 1 for i in range(TOTAL)})
+    # a hand-back is a clean stop: one INFO line a message, no warning with a traceback
+    log = (tmp_path / "w" / "a.log").read_text(errors="replace")
+    assert "handed back" in log
+    assert "Traceback" not in log and " WARNING " not in log, log[-3000:]
 
 
 @pytest.mark.timeout(300)

@@ -50,6 +50,27 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
+class HandBack(Reject):  # type: ignore[misc]
+    """The worker is stopping: this message goes back on its queue, for another worker."""
+
+    def __init__(self, reason: str = "the worker is stopping: handed back", requeue: bool = True):
+        super().__init__(reason, requeue)
+
+
+class QuietHandBacks(logging.Filter):
+    """Celery logs every rejected message at WARNING with a traceback; a hand-back is a clean
+    stop, so it is one INFO line (``Task ... reject requeue=True: ... handed back``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], HandBack):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.exc_info = None
+        return True
+
+
+QUIET_HAND_BACKS = QuietHandBacks()  # one instance: adding it again changes nothing
+
 RETRY_BASE_SECONDS = 1.0
 RETRY_CAP_SECONDS = 60.0
 # A task's wait before its retry: equal jitter, between half a ceiling and the ceiling, which
@@ -421,7 +442,7 @@ class SiftTask(Task):  # type: ignore[misc]
         store = self.context.store
         store.set_deliveries(str(self.request.id), self.request.retries, max(0, deliveries - 1))
         INTAKE.stop_taking()  # this process's consumer is cancelled first: not taken back here
-        raise Reject("the worker is stopping: handed back", requeue=True)
+        raise HandBack()
 
     def send_webhook(
         self, event_type: str, job_id: str, tenant: str, url: str, status: str
