@@ -228,8 +228,7 @@ class ModelCalls:
             # no wait, but a slow check or reservation spent the deadline (not a short
             # attempt timeout the settings chose: that one is sent as set)
             if deadline.remaining() < MIN_ATTEMPT_SECONDS:
-                self.rate_budget.settle(grant, TokenUsage(), sent=False, closes=False)
-                self._exhausted(run, deadline, waited, "its checks before the send overran")
+                self._give_back(grant, run, deadline, waited, "its checks before the send overran")
             detail["budget_wait_seconds"] = waited
         run.backed_off = 0.0
         sent = self.clock()
@@ -359,10 +358,17 @@ class ModelCalls:
         a wait on the breaker that overslept sent its probe with 0.7 ms left, a request
         that timed out at once, counted as sent and possibly billed."""
         if waited > 0 and deadline.remaining() < self.call_time.needed():
-            assert self.rate_budget is not None
-            self.rate_budget.settle(grant, TokenUsage(), sent=False, closes=False)
-            self._exhausted(run, deadline, waited, "its wait for the rate budget overran")
+            self._give_back(grant, run, deadline, waited, "its wait for the rate budget overran")
         return grant, waited
+
+    def _give_back(
+        self, grant: BudgetGrant, run: RerankRun, deadline: Deadline, waited: float, why: str
+    ) -> NoReturn:
+        """The deadline no longer holds the call: ``grant`` goes back unsent (the breaker
+        neither opened nor closed by it) and the attempt is ``budget_exhausted``."""
+        assert self.rate_budget is not None
+        self.rate_budget.settle(grant, TokenUsage(), sent=False, closes=False)
+        self._exhausted(run, deadline, waited, why)
 
     def _reserve(
         self,
