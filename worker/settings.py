@@ -745,6 +745,12 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
 
     >>> unknown_variables({"SIFT_RERANK_ENABLE": "true", "SIFT_LOG_LEVEL": "INFO"})
     ['SIFT_RERANK_ENABLE is no setting (did you mean SIFT_RERANK_ENABLED?)']
+
+    Names are compared after the ``SIFT_`` every one shares, so a name like no setting gets
+    no guess:
+
+    >>> unknown_variables({"SIFT_FOO_BAR": "1"})
+    ['SIFT_FOO_BAR is no setting']
     """
     known = {f"SIFT_{name.upper()}" for name in Settings.model_fields}
     problems = []
@@ -756,8 +762,8 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
             upper.endswith("_PORT") and _SERVICE_LINK.fullmatch(value)
         ):
             continue
-        close = difflib.get_close_matches(upper, known, n=1)
-        hint = f" (did you mean {close[0]}?)" if close else ""
+        close = difflib.get_close_matches(upper[5:], [k[5:] for k in known], n=1)
+        hint = f" (did you mean SIFT_{close[0]}?)" if close else ""
         problems.append(f"{name} is no setting{hint}")
     return problems
 
