@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
 import typer
 from pydantic import ValidationError
@@ -16,6 +17,9 @@ from rich.console import Console
 
 from worker.cli._output import cli_console, plain
 from worker.errors import SiftError, validation_message
+
+if TYPE_CHECKING:
+    from worker.settings import Settings
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2  # typer's own, for a bad option value or a bad combination of options
@@ -68,6 +72,24 @@ def sigterm_as_ctrl_c() -> Iterator[Signals]:
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def cli_settings() -> Settings:
+    """The settings, or one red line naming the bad one and exit 2: a bad setting is a usage
+    error, for a client command as for ``sift worker`` and typer's own bad options."""
+    from worker.errors import ConfigError
+    from worker.settings import load_settings
+
+    try:
+        return load_settings()
+    except ConfigError as exc:
+        bad_settings(exc)
+
+
+def bad_settings(error: SiftError) -> NoReturn:
+    """End the command on a settings' ``error``: one red line naming it, exit 2."""
+    _err().print(f"[bold red]error:[/] {plain(error.message)}", soft_wrap=True)
+    raise typer.Exit(EXIT_USAGE) from None
 
 
 def setting_help(help: str, variable: str) -> str:

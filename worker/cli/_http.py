@@ -20,11 +20,10 @@ from tenacity import (
     wait_exponential,
 )
 
+from worker.cli._common import cli_settings
 from worker.constants import ERROR_JOB_STORE_FULL, ERROR_STARTING, ERROR_TENANT_REMOVED
 from worker.contract import INDEX_PATTERN
 from worker.core.budget import answer_date, retry_after_seconds
-from worker.errors import ConfigError
-from worker.settings import load_settings
 
 FINAL_STATUSES = frozenset({"succeeded", "failed", "canceled"})
 USER_AGENT = "sift-cli/1"
@@ -450,11 +449,8 @@ def sift_answer(body: Any, method: str, path: str, fields: tuple[str, ...]) -> d
 
 @contextmanager
 def gateway(transport: httpx.BaseTransport | None = None) -> Iterator[Gateway]:
-    """The gateway of ``SIFT_URL``, with the key of ``SIFT_API_KEY``."""
-    try:
-        settings = load_settings()
-    except ConfigError as exc:
-        raise GatewayError(exc.message) from exc
+    """The gateway of ``SIFT_URL``, with the key of ``SIFT_API_KEY`` (a bad setting: exit 2)."""
+    settings = cli_settings()
     client = Gateway(
         settings.url, settings.api_key, transport=transport, max_body_bytes=settings.max_body_bytes
     )

@@ -40,7 +40,14 @@ from rich.console import Console
 from rich.table import Table
 
 from worker.cli._app import app
-from worker.cli._common import EXIT_ERROR, _err, option_error, setting_help, why_unwritable
+from worker.cli._common import (
+    EXIT_ERROR,
+    _err,
+    bad_settings,
+    option_error,
+    setting_help,
+    why_unwritable,
+)
 from worker.cli._output import counted, plain
 from worker.constants import (
     ECONOMY_PRICE_DISCOUNT,
@@ -380,7 +387,7 @@ def _settings(option: str | None) -> Settings:
         given = {name: "--prometheus-url" for name in overrides}
         if (named := option_error(error, given)) is not None:
             raise named from None
-        raise
+        bad_settings(error)
 
 
 @app.command("cost")

@@ -42,7 +42,7 @@ from rich.console import Console
 from rich.table import Table
 
 from worker.cli._app import app
-from worker.cli._common import STACK_REDIS_FILE, stack_redis_url
+from worker.cli._common import STACK_REDIS_FILE, cli_settings, stack_redis_url
 from worker.cli._output import cli_console, plain, print_fitted
 from worker.clock import server_seconds
 from worker.constants import (
@@ -59,11 +59,9 @@ from worker.constants import (
     WORKER_HEARTBEAT_KEY,
     kombu_queue_keys,
 )
-from worker.errors import ConfigError
 from worker.processes.stack import holds_data_dir
 from worker.queue.jobstore import JobStore
 from worker.redis_client import CONNECTION_OPTIONS
-from worker.settings import load_settings
 
 # a webhook owed whose next message was due longer ago is overdue: its attempt (30 s at most,
 # SIFT_WEBHOOK_TOTAL_TIMEOUT_SECONDS) has mostly ended by then, or was never made
@@ -444,11 +442,7 @@ def status_command(
     """The queues, the workers alive and their work, the batches running and the webhooks owed
     (SIFT_REDIS_URL, or the sift up stack on SIFT_DATA_DIR)."""
     err = cli_console(stderr=True)
-    try:
-        settings = load_settings()
-    except ConfigError as exc:
-        err.print(f"[bold red]error:[/] {plain(exc.message)}")
-        raise typer.Exit(1) from None
+    settings = cli_settings()
     url, source = settings.redis_url, "SIFT_REDIS_URL"
     data_dir, told = settings.data_dir.resolve(), False
     if not url:  # the `sift up` stack running on this data folder, if any

@@ -58,7 +58,7 @@ import typer
 from rich.table import Table
 
 from worker.cli._app import app
-from worker.cli._common import EXIT_ERROR, stack_redis_url
+from worker.cli._common import EXIT_ERROR, cli_settings, stack_redis_url
 from worker.cli._output import cli_console, plain
 from worker.cli.service import DEV_KEY_FILE
 from worker.constants import (
@@ -73,7 +73,7 @@ from worker.queue.jobstore import JobStore, Rewrite, TenantJobs, owe_rewrite
 from worker.queue.jobstore.jobindex import KIND_BATCH
 from worker.queue.jobstore.rewrite import schedule_payment
 from worker.redis_client import CONNECTION_OPTIONS
-from worker.settings import TENANT_PATTERN, Settings, load_settings
+from worker.settings import TENANT_PATTERN, Settings
 from worker.write_versions import next_write_version
 
 tenant_app = typer.Typer(help="Erase a removed tenant's data (an operator's command).")
@@ -272,8 +272,8 @@ def purge(
 ) -> None:
     """Cancel a removed tenant's jobs, drop its indexes, and delete every record of it in
     Redis (SIFT_REDIS_URL, or the sift up stack on SIFT_DATA_DIR); prints what went."""
+    settings = cli_settings()
     try:
-        settings = load_settings()
         keys = settings.all_api_keys()
     except ConfigError as exc:
         _stop(plain(exc.message))
