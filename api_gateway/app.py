@@ -139,7 +139,9 @@ def create_app(
             )
         app.state.store = store
         app.state.async_store = async_store
-        app.state.backlog = Backlog(async_store.in_flight, settings.max_backlog)
+        app.state.backlog = Backlog(
+            async_store.hold_backlog, async_store.release_backlog, settings.max_backlog
+        )
         owed = with_results_owed(async_store.memory, async_store.owed_bytes)
         app.state.memory = StoreMemory(owed)
         app.state.sender = sender

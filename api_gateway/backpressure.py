@@ -1,15 +1,13 @@
 """Backpressure: past ``SIFT_MAX_BACKLOG`` queued searches and batch items, refuse new work.
 
-The backlog is the job store's count of ``queued`` searches and batch items (one HGETALL),
-read at most every ``READ_EVERY_SECONDS`` so the hot path stays one cached comparison. Work
-this gateway admits is added to its cached reading at once, and to every reading taken
-before its job is stored (until then the store does not count it), so a burst cannot
-overshoot the limit by more than what the other gateways admitted meanwhile.
+The backlog is the job store's count of ``queued`` searches and batch items, with the work
+every gateway admitted and is still storing (until then the store does not count it), read
+and added to in one Redis script (:meth:`AsyncJobStore.hold_backlog`), so however many
+gateways admit at once, together they never pass the limit.
 
-    backlog = Backlog(async_store.in_flight, limit=10_000)
-    await backlog.admit(len(items))   # raises BacklogFull (429 with Retry-After) past the limit
-    with backlog.storing(len(items)):
-        ...                           # store the job: counted by the store from then on
+    backlog = Backlog(async_store.hold_backlog, async_store.release_backlog, limit=10_000)
+    async with backlog.admitted(len(items)):  # BacklogFull (429 with Retry-After) past the limit
+        ...                                   # store the job: counted by the store from then on
 
 And past 90 % of Redis's ``maxmemory`` (:class:`StoreMemory`), new jobs are refused with a
 503 ``job_store_full`` (nothing stored, as at the limit itself), so the jobs running can
@@ -23,7 +21,7 @@ hold more than the index's mean (a skewed index's longest documents, a text JSON
 a trace's candidates of several bytes a character; docs/queue.md, ``job_store_full``). And
 what Redis holds is read with the results the work queued or running still owes, each
 job's as it was priced when admitted (:func:`with_results_owed`), and with the jobs this
-gateway admitted and is storing (:meth:`StoreMemory.storing`, as :meth:`Backlog.storing`), so
+gateway admitted and is storing (:meth:`StoreMemory.storing`), so
 batches admitted one after another, or together, do not fill it together.
 """
 
@@ -34,7 +32,8 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterator
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import redis
 
@@ -45,6 +44,7 @@ log = logging.getLogger(__name__)
 
 READ_EVERY_SECONDS = 0.5
 RETRY_AFTER_SECONDS = 5
+HOLD_SECONDS = 60.0  # a gateway's hold on the backlog while it stores a job, at most
 
 
 class BacklogFull(Exception):
@@ -69,80 +69,42 @@ class BacklogFull(Exception):
         )
 
 
-InFlight = Callable[[], Awaitable[dict[str, int]]]  # AsyncJobStore.in_flight
+Hold = Callable[[str, int, int, float], Awaitable[int | None]]  # AsyncJobStore.hold_backlog
+Release = Callable[[str], Awaitable[None]]  # AsyncJobStore.release_backlog
 
 
 class Backlog:
-    """A cached reading of the queued count, and the admission decision, on the event loop:
-    no I/O between readings."""
+    """The admission decision, made in Redis by one script for every gateway at once: the
+    queued count the store keeps, plus the holds of the work each gateway admitted and is
+    still storing, against the limit. Each gateway deciding on a reading of its own (cached
+    for half a second) let N gateways admit N times the room left: three batches of 15 sent
+    at once to three gateways all got in under a limit of 20."""
 
-    def __init__(
-        self,
-        in_flight: InFlight,
-        limit: int,
-        *,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.in_flight = in_flight
+    def __init__(self, hold: Hold, release: Release, limit: int) -> None:
+        self.hold = hold
+        self.release = release
         self.limit = limit
-        self._clock = clock
-        self._queued = 0
-        self._read_at: float | None = None
-        self._reading: asyncio.Future[None] | None = None  # the reading in flight
-        self._admitted_while_reading: int | None = None
-        self._unstored = 0  # admitted here, their jobs being stored (see storing)
 
-    async def admit(self, items: int) -> None:
-        """Count ``items`` in, or raise :class:`BacklogFull` (all or nothing). A due reading
-        is awaited by the request that found it due (and by all, before the first one); the
-        others go on with the previous reading. Work admitted while a reading is in flight
-        is added to it, so the count errs high: it never lets more in."""
+    @contextlib.asynccontextmanager
+    async def admitted(self, items: int) -> AsyncIterator[None]:
+        """Admit ``items`` or raise :class:`BacklogFull` (all or nothing); the block stores
+        their job, held in the count until it ends (the store counts it from its write on;
+        counted twice meanwhile, the count errs high, never low). A hold this gateway cannot
+        drop (it died, Redis went away) lapses after ``HOLD_SECONDS``."""
         if self.limit <= 0:
+            yield
             return
-        if self._due():
-            first = self._reading is None
-            if first:
-                self._admitted_while_reading = 0
-                self._reading = asyncio.ensure_future(self._read(self._clock(), self._unstored))
-            if first or self._read_at is None:
-                assert self._reading is not None
-                await asyncio.shield(self._reading)
-        self._take(items)
-        if self._admitted_while_reading is not None:
-            self._admitted_while_reading += items
-
-    @contextlib.contextmanager
-    def storing(self, items: int) -> Iterator[None]:
-        """While the block stores the job of ``items`` this gateway admitted, a reading taken
-        counts them on top of what the store does: the store counts them only once the
-        job is stored, which may be after the reading (a batch's items are staged in
-        slices first). Before, a reading taken in between dropped them from the count, and
-        the next request was admitted against that: a batch of 8 being stored, a limit of
-        10, and 3 more got in. One the store already counts is counted twice until the
-        next reading: the count errs high, never low."""
-        self._unstored += items
+        token = uuid.uuid4().hex
+        queued = await self.hold(token, items, self.limit, HOLD_SECONDS)
+        if queued is not None:
+            raise BacklogFull(queued, items, self.limit)
         try:
             yield
         finally:
-            self._unstored -= items
-
-    async def _read(self, now: float, unstored: int) -> None:
-        """Read the store's count; ``unstored`` is what this gateway admitted before the
-        reading and had not stored yet (:meth:`storing`)."""
-        try:
-            queued = (await self.in_flight())["queued"]
-            self._queued = queued + unstored + (self._admitted_while_reading or 0)
-            self._read_at = now
-        finally:
-            self._admitted_while_reading, self._reading = None, None
-
-    def _due(self) -> bool:
-        return self._read_at is None or self._clock() - self._read_at >= READ_EVERY_SECONDS
-
-    def _take(self, items: int) -> None:
-        if self._queued + items > self.limit:
-            raise BacklogFull(self._queued, items, self.limit)
-        self._queued += items
+            try:
+                await asyncio.shield(self.release(token))
+            except redis.RedisError as exc:  # the job's answer stands; the hold lapses
+                log.warning("backpressure: a backlog hold was not dropped (%s)", exc)
 
 
 #: New jobs are refused past this share of Redis's ``maxmemory``: at the limit itself Redis

@@ -88,6 +88,11 @@ ECONOMY_WATCH_KEY = REDIS_PREFIX + "eco-watch"
 ECONOMY_LEASE_KEY = REDIS_PREFIX + "eco-lease:"
 STATS_KEY = REDIS_PREFIX + "stats:jobs"  # hash state -> jobs and items queued/running now
 STATS_UNTRACKED_KEY = REDIS_PREFIX + "stats:untracked"  # same, for ingest jobs (not in the gauge)
+# the searches and batch items each gateway admitted and is still storing
+# (api_gateway/backpressure.py):
+# zset token -> when its hold lapses (ms, Redis's clock), and hash token -> items
+BACKLOG_HOLDS_KEY = REDIS_PREFIX + "backlog-holds"
+BACKLOG_HELD_KEY = REDIS_PREFIX + "backlog-held"
 # the re-drive (worker/queue/redrive.py): unfinished jobs, what the sweeper keeps between sweeps
 ACTIVE_JOBS_KEY = REDIS_PREFIX + "active"  # zset: search, ingest, standard batch ids -> progress
 # zset: search and batch ids whose webhook is owed -> when its next message is due (the final

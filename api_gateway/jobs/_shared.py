@@ -250,7 +250,7 @@ async def _admitted(
 @contextlib.asynccontextmanager
 async def _in_backlog(request: Request, items: int) -> AsyncIterator[None]:
     """429 with ``Retry-After`` when ``items`` more would pass the backlog limit; else the block
-    stores their job, counted as this gateway's until it ends (:meth:`Backlog.storing`)."""
+    stores their job, held in the backlog's count until it ends (:meth:`Backlog.admitted`)."""
     backlog: Backlog | None = getattr(request.app.state, "backlog", None)
     if backlog is None or backlog.limit <= 0:
         yield
@@ -263,8 +263,9 @@ async def _in_backlog(request: Request, items: int) -> AsyncIterator[None]:
             f"{backlog.limit}",
         )
     try:
-        await backlog.admit(items)
-    except BacklogFull as exc:
+        async with backlog.admitted(items):
+            yield
+    except BacklogFull as exc:  # raised on admission only: the block raises none
         log.warning("backpressure: %s", exc)
         raise ApiError(
             429,
@@ -272,8 +273,6 @@ async def _in_backlog(request: Request, items: int) -> AsyncIterator[None]:
             exc.public,
             headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
         ) from exc
-    with backlog.storing(items):
-        yield
 
 
 J = TypeVar("J", SearchJob, BatchJob, IngestJob)

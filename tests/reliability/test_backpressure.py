@@ -87,6 +87,33 @@ def test_past_the_backlog_limit_new_work_gets_429_with_retry_after(
     assert _queued(url) == LIMIT  # nothing of the refused batch was stored or queued
 
 
+def test_two_gateways_on_one_redis_admit_no_more_than_the_limit_together(tmp_path: Path) -> None:
+    """The limit is the fleet's, whichever gateway a request reaches: each gateway admitted on
+    a reading of its own, cached half a second, so two batches of 6 sent at once to two
+    gateways both got in under a limit of 10 (three of 15, to three, all got in under 20)."""
+    with redis_server(tmp_path / "redis") as url:
+        env = stack_env(url + "/0", "http://127.0.0.1:9", SIFT_MAX_BACKLOG="10")
+        with (
+            gateway(tmp_path / "a", env, name="a") as a_url,
+            gateway(tmp_path / "b", env, name="b") as b_url,
+            httpx.Client(base_url=a_url, timeout=30) as a,
+            httpx.Client(base_url=b_url, timeout=30) as b,
+            ThreadPoolExecutor(2) as pool,
+        ):
+            sent = [pool.submit(c.post, "/v1/batches", json=_batch(6, n), headers=ACME)
+                    for c, n in ((a, "a"), (b, "b"))]  # fmt: skip
+            assert sorted(f.result().status_code for f in sent) == [202, 429]
+            assert _queued(url + "/0") == 6
+            # one after another, each gateway's view fresh: 7, then 10, then none more
+            search = {"index": INDEX, "query": "tea"}
+            assert b.post("/v1/searches", json=search, headers=ACME).status_code == 202
+            assert a.post("/v1/batches", json=_batch(3, "c"), headers=ACME).status_code == 202
+            refused = b.post("/v1/searches", json=search, headers=ACME)
+            assert refused.status_code == 429, refused.text
+            assert refused.json()["error"]["type"] == "backlog_full"
+            assert _queued(url + "/0") == 10
+
+
 def test_a_batch_larger_than_what_is_left_is_refused_whole(tmp_path: Path) -> None:
     with redis_server(tmp_path / "redis") as url:
         env = stack_env(url + "/0", "http://127.0.0.1:9", SIFT_MAX_BACKLOG="10")

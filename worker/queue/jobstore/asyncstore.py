@@ -16,6 +16,8 @@ from redis.backoff import ConstantBackoff
 
 from worker.clock import server_seconds
 from worker.constants import (
+    BACKLOG_HELD_KEY,
+    BACKLOG_HOLDS_KEY,
     INDEX_REPLY_WAITS,
     RESULT_TTL_SECONDS,
     STATS_KEY,
@@ -33,6 +35,33 @@ from worker.queue.jobstore.scripts import _CREATE_SEARCH
 from worker.queue.jobstore.searches import _create_search_call, _new_search, _search_created
 from worker.queue.jobstore.store import resending_async
 from worker.redis_client import CONNECTION_OPTIONS
+
+# The backlog's admission, for every gateway at once: the queued count the store keeps plus
+# what gateways admitted and are still storing (holds that lapse, a dead gateway's too),
+# against the limit; within it, a hold of the items is added. Answers -1 (admitted) or the
+# count that refused them.
+_HOLD_BACKLOG = """
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local lapsed = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now_ms)
+for _, token in ipairs(lapsed) do
+  redis.call('ZREM', KEYS[2], token)
+  redis.call('HDEL', KEYS[3], token)
+end
+local queued = math.max(0, tonumber(redis.call('HGET', KEYS[1], 'queued') or '0'))
+for _, held in ipairs(redis.call('HVALS', KEYS[3])) do
+  queued = queued + tonumber(held)
+end
+local items = tonumber(ARGV[2])
+if queued + items > tonumber(ARGV[3]) then
+  return queued
+end
+redis.call('ZADD', KEYS[2], now_ms + tonumber(ARGV[4]), ARGV[1])
+redis.call('HSET', KEYS[3], ARGV[1], items)
+redis.call('PEXPIRE', KEYS[2], ARGV[4])
+redis.call('PEXPIRE', KEYS[3], ARGV[4])
+return -1
+"""
 
 # what a command is tried again on, once (see from_url)
 RETRIED: tuple[type[redis.RedisError], ...] = (redis.ConnectionError,)
@@ -57,6 +86,7 @@ class AsyncJobStore:
         self.redis = client
         self.result_ttl = result_ttl
         self._create_search = client.register_script(_CREATE_SEARCH)
+        self._hold_backlog = client.register_script(_HOLD_BACKLOG)
         # the connections index reads' BLPOPs take at once; the rest stay the searches'
         self._reply_waits = asyncio.Semaphore(reply_waits)
 
@@ -128,6 +158,22 @@ class AsyncJobStore:
     async def in_flight(self) -> dict[str, int]:
         """:meth:`JobStore.in_flight`, awaited."""
         return _in_flight(cast(dict[str, str], await self.redis.hgetall(STATS_KEY)))
+
+    async def hold_backlog(self, token: str, items: int, limit: int, seconds: float) -> int | None:
+        """Hold ``items`` searches and batch items under ``token`` for at most ``seconds``
+        (while their job is stored) if the queued ones, with every gateway's holds, leave room
+        for them under ``limit``: None; else the count that refused them, holding nothing."""
+        keys = [STATS_KEY, BACKLOG_HOLDS_KEY, BACKLOG_HELD_KEY]
+        args: list[str | int] = [token, items, limit, max(1, int(seconds * 1000))]
+        queued = int(await self._hold_backlog(keys=keys, args=args))
+        return None if queued < 0 else queued
+
+    async def release_backlog(self, token: str) -> None:
+        """Drop the hold :meth:`hold_backlog` took under ``token`` (its job stored, or not)."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.zrem(BACKLOG_HOLDS_KEY, token)
+            pipe.hdel(BACKLOG_HELD_KEY, token)
+            await pipe.execute()
 
     async def owed_bytes(self) -> int:
         """What the searches and batch items queued or running will still write, each priced
