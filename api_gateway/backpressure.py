@@ -76,9 +76,7 @@ Release = Callable[[str], Awaitable[None]]  # AsyncJobStore.release_backlog
 class Backlog:
     """The admission decision, made in Redis by one script for every gateway at once: the
     queued count the store keeps, plus the holds of the work each gateway admitted and is
-    still storing, against the limit. Each gateway deciding on a reading of its own (cached
-    for half a second) let N gateways admit N times the room left: three batches of 15 sent
-    at once to three gateways all got in under a limit of 20."""
+    still storing, against the limit, so N gateways never admit N times the room left."""
 
     def __init__(self, hold: Hold, release: Release, limit: int) -> None:
         self.hold = hold

@@ -5,6 +5,7 @@ whole. The gateway's queue has no worker (the e2e ``idle`` pattern), so the back
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterator
@@ -37,6 +38,7 @@ from worker.constants import (
     SEARCH_KEY,
     STATS_KEY,
 )
+from worker.queue.jobstore import AsyncJobStore
 
 pytestmark = pytest.mark.integration
 
@@ -130,38 +132,50 @@ def test_a_batch_larger_than_what_is_left_is_refused_whole(tmp_path: Path) -> No
             assert _queued(url + "/0") == 10
 
 
-def test_a_batch_being_stored_counts_against_the_limit_in_a_reading_taken_meanwhile(
+def _hold(url: str, token: str, items: int, seconds: float) -> int | None:
+    """As a gateway storing a job does: hold ``items`` under ``token`` for ``seconds`` (a
+    limit of 10); with ``seconds`` 0, drop the hold."""
+
+    async def run() -> int | None:
+        store = AsyncJobStore.from_url(url)
+        try:
+            if not seconds:
+                await store.release_backlog(token)
+                return None
+            return await store.hold_backlog(token, items, 10, seconds)
+        finally:
+            await store.close()
+
+    return asyncio.run(run())
+
+
+def test_a_batch_another_gateway_is_storing_counts_against_the_limit_until_its_hold_ends(
     tmp_path: Path,
 ) -> None:
     """The store counts a batch's items only once its commit is written (after its items are
-    staged, slice by slice), while the gateway counted them from its admission on: a
-    reading of the store due in between dropped them. With the batch of 8's writes held up
-    (Redis paused for writes: reads still answered), the batch of 3 sent after the reading
-    fell due was admitted, and 11 were queued past the limit of 10."""
+    staged, slice by slice); until then the gateway storing it holds their room in Redis,
+    where every gateway's admission reads it. A hold of 8 (a gateway storing a batch of 8)
+    refuses a batch of 3 under a limit of 10; dropped, the batch is admitted; and one its
+    gateway died with lapses on its own."""
     with redis_server(tmp_path / "redis") as url:
         env = stack_env(url + "/0", "http://127.0.0.1:9", SIFT_MAX_BACKLOG="10")
-        with (
-            gateway(tmp_path / "g", env) as base,
-            httpx.Client(base_url=base, timeout=60) as c,
-            redis.Redis.from_url(url + "/0") as r,
-            ThreadPoolExecutor(2) as pool,
-        ):
+        with gateway(tmp_path / "g", env) as base, httpx.Client(base_url=base, timeout=60) as c:
 
-            def held() -> int:
-                return int(r.info("clients")["blocked_clients"])  # paused writers count in
+            def post(name: str) -> httpx.Response:
+                return c.post("/v1/batches", json=_batch(3, name), headers=ACME)
 
-            r.execute_command("CLIENT", "PAUSE", 600_000, "WRITE")  # until UNPAUSE
-            try:
-                first = pool.submit(c.post, "/v1/batches", json=_batch(8, "a"), headers=ACME)
-                wait_for(lambda: held() == 1, "the batch of 8, admitted, held at its first write")
-                time.sleep(READ_EVERY_SECONDS)  # the next request takes a new reading
-                second = pool.submit(c.post, "/v1/batches", json=_batch(3, "b"), headers=ACME)
-                wait_for(lambda: second.done() or held() == 2, "the batch of 3 answered or held")
-            finally:
-                r.execute_command("CLIENT", "UNPAUSE")
-            assert first.result().status_code == 202, first.result().text
-            assert second.result().status_code == 429, second.result().text
-            assert _queued(url + "/0") == 8
+            assert _hold(url + "/0", "storing", 8, 600.0) is None
+            refused = post("a")
+            assert refused.status_code == 429, refused.text
+            assert _queued(url + "/0") == 0
+            _hold(url + "/0", "storing", 0, 0.0)
+            assert post("b").status_code == 202
+            # a dead gateway's hold of 7, with 3 queued: refused until it lapses
+            assert _hold(url + "/0", "dead", 7, 1.0) is None
+            assert post("c").status_code == 429
+            time.sleep(1.2)
+            assert post("d").status_code == 202
+            assert _queued(url + "/0") == 6
 
 
 def test_a_batch_being_stored_counts_against_redis_s_memory_in_a_reading_taken_meanwhile(
