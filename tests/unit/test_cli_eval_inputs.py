@@ -227,3 +227,28 @@ def test_a_result_line_repeated_is_refused_naming_the_file_and_line(tmp_path: Pa
     results = write(tmp_path / "r.jsonl", f"{json.dumps(ok)}\n{json.dumps(ok)}\n")
     result = eval_("--results", results, "--qrels", write(tmp_path / "qrels.tsv", QRELS))
     refused(result, f"{results}:2: field 'query_id': 'q1' appears twice (first at line 1)")
+
+
+def test_an_output_it_cannot_write_is_refused_before_anything_is_run(tmp_path: Path) -> None:
+    """``--json`` under a folder that is not there, ``--out`` under a file: each was a
+    ``FileNotFoundError`` or ``FileExistsError`` traceback once the report was printed, after
+    every run's searches (and a reranked run's model calls) had been made and billed."""
+    (tmp_path / "a-file").write_text("")
+    report = tmp_path / "no-such-folder" / "report.json"
+    item = {"query_id": "q1", "status": "succeeded", "result": {"hits": []}}
+    results = write(tmp_path / "r.jsonl", json.dumps(item) + "\n")
+    qrels = write(tmp_path / "qrels.tsv", QRELS)
+    result = eval_("--results", results, "--qrels", qrels, "--json", str(report))
+    assert isinstance(result.exception, SystemExit), result.exception  # no traceback
+    assert result.exit_code == 2 and result.stdout == "", result.output
+    assert f"--json: cannot write {report} (" in result.stderr, result.output
+    # --index: refused before the gateway (none here) is called
+    for option, path in (("--json", report), ("--out", tmp_path / "a-file")):
+        result = eval_(
+            "--index", "s", "--queries", write(tmp_path / "q.jsonl", QUERIES),
+            "--qrels", qrels, option, str(path),
+        )  # fmt: skip
+        assert isinstance(result.exception, SystemExit), result.exception
+        assert result.exit_code == 2 and result.stdout == "", result.output
+        assert f"{option}: cannot write {path} (" in result.stderr, result.output
+    assert f"{tmp_path / 'a-file'} is a file, not a folder" in result.stderr, result.output

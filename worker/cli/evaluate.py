@@ -20,7 +20,7 @@ from typing import Annotated
 import typer
 
 from worker.cli._app import app
-from worker.cli._common import EXIT_ITEMS_FAILED, _err, a_folder
+from worker.cli._common import EXIT_ITEMS_FAILED, _err, a_folder, why_unwritable
 from worker.cli._http import GatewayError, index_name
 from worker.cli._output import plain
 from worker.constants import MAX_CANDIDATE_LIMIT
@@ -120,6 +120,14 @@ def eval_command(
             raise _usage_error(f"{misplaced[0]} needs --tune")
         where = "--tune" if misplaced[0] == "--rerank" else sources[0]
         raise _usage_error(f"{misplaced[0]} does not apply to {where}")
+    # before any search: an output it cannot write was a traceback after the whole run (the
+    # runs' searches and model calls made and billed, the report on stdout only)
+    for option, path, why in (
+        ("--json", json_out, json_out and why_unwritable(json_out, in_place=True)),
+        ("--out", out, out and why_unwritable(out / "bm25.jsonl", make_folders=True)),
+    ):
+        if why:
+            raise _usage_error(f"{option}: cannot write {path} ({why}); nothing was run")
     if tune:
         assert index is not None and queries is not None
         _tune_command(index, queries, qrels, out, folds, seed, apply, max_queries, json_out)
