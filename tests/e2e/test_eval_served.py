@@ -17,7 +17,7 @@ import pytest
 from ir_measures import RR, R, nDCG
 
 from tests.e2e.conftest import ACME, ANTHROPIC_API_KEY, INDEX, MODEL, SAMPLE, Stack
-from tests.fake_anthropic import USAGE_FIELDS, refusal
+from tests.fake_anthropic import USAGE_FIELDS, positions, refusal
 from worker.processes.stack import child_env, sift_command
 
 QRELS = Path(__file__).parent / "data" / "sample_qrels.tsv"
@@ -174,6 +174,35 @@ def test_eval_index_with_rerank_adds_the_served_final_run(stack: Stack, corpus: 
     assert report["depth"]["final (reranked)"] == 10
     assert report["usage"]["requests"] >= JUDGED
     assert "rerank usage:" in printed and "final (reranked)" in printed
+
+
+def test_eval_names_the_reranked_searches_served_the_fused_order(
+    stack: Stack, corpus: object, tmp_path: Path
+) -> None:
+    """The model's first answer holds no valid position (99 of the candidates): that search
+    is served the fused order (``rerank.applied`` false, ``no_valid_ranks``), and the final
+    (reranked) row scores it so. ``--index`` and ``--results`` of its file say how many and
+    why (``rerank_fallbacks`` in ``--json``); they scored it as the model's, saying nothing."""
+    stack.model.reset()
+    stack.model.script([positions([99])])
+    printed = _sift(
+        stack, "eval", "--index", INDEX, "--queries", str(QUERIES), "--qrels", str(QRELS),
+        "--rerank", "--out", str(tmp_path), "--json", str(tmp_path / "report.json"),
+    )  # fmt: skip
+    final = tmp_path / "final.jsonl"
+    items = [json.loads(line)["result"]["rerank"] for line in final.read_text().splitlines()]
+    assert [r["fallback_reason"] for r in items if not r["applied"]] == ["no_valid_ranks"]
+    said = "1 reranked search(es) fell back to the fused order (no_valid_ranks 1)"
+    assert said in " ".join(printed.split()), printed
+    assert json.loads((tmp_path / "report.json").read_text())["rerank_fallbacks"] == {
+        "no_valid_ranks": 1
+    }
+    printed = _sift(stack, "eval", "--results", str(final), "--qrels", str(QRELS),
+                    "--json", str(tmp_path / "results.json"))  # fmt: skip
+    assert said in " ".join(printed.split()), printed
+    assert json.loads((tmp_path / "results.json").read_text())["rerank_fallbacks"] == {
+        "no_valid_ranks": 1
+    }
 
 
 def test_eval_index_compares_a_run_with_the_channels_only_on_the_queries_it_answered(

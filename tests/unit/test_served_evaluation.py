@@ -186,3 +186,27 @@ def test_the_usage_counts_what_failed_and_canceled_searches_were_billed() -> Non
     ]  # fmt: skip
     report = score_results(items, qrels, window=30)
     assert report["usage"] == usage(6, 0.875)
+
+
+def test_reranked_results_served_the_fused_order_are_named_not_scored_as_the_models() -> None:
+    """A model answer with no valid position (``no_valid_ranks``; under ``fail_open`` a
+    failed rerank too) serves the fused order, ``rerank.applied`` false. Such results are
+    the final (reranked) row, as served, and the report says how many and why: with every
+    result so, the row was missing (the table gave no sign a rerank was asked), and with
+    some, their fused order was scored as the model's, with no word of it."""
+    qrels = {"q1": {"a": 1}, "q2": {"b": 1}}
+    fell_back = {"applied": False, "fallback_reason": "no_valid_ranks"}
+    items = [
+        {"query_id": "q1", "status": "succeeded",
+         "result": result(hit("x", 1, 1, 1, 1), hit("a", 2, 2, 2, 2)) | {"rerank": fell_back}},
+        {"query_id": "q2", "status": "succeeded",
+         "result": result(hit("b", 1, 1, 1, 1)) | {"rerank": fell_back}},
+    ]  # fmt: skip
+    report = score_results(items, qrels, window=30)
+    assert report["rerank_fallbacks"] == {"no_valid_ranks": 2}
+    assert report["runs"]["final (reranked)"] == report["runs"]["fused"]  # the fused order
+    items[1]["result"]["rerank"] = {"applied": True, "fallback_reason": None}
+    assert score_results(items, qrels, window=30)["rerank_fallbacks"] == {"no_valid_ranks": 1}
+    plain = [item | {"result": result(hit("b", 1, 1, 1, 1))} for item in items]
+    report = score_results(plain, qrels, window=30)  # no rerank asked: nothing fell back
+    assert report["rerank_fallbacks"] == {} and "final (reranked)" not in report["runs"]

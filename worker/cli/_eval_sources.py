@@ -35,6 +35,7 @@ from worker.evaluation.harness import (
     eval_runs,
     evaluate,
     failure_type,
+    fallback_reason,
     read_corpus,
     read_qrels,
     read_results,
@@ -146,6 +147,7 @@ def _served(
     rankings: dict[str, dict[str, list[str]]] = {}
     usage: dict[str, float | None] = {}
     errors: Counter[str] = Counter()
+    fallbacks: Counter[str] = Counter()  # reranked searches served the fused order
     failed: dict[str, set[str]] = {}  # by run, the queries whose search did not succeed
     submitted, served = _run_batches(index, runs, queries, out)
     written = _index_written(index, before)
@@ -157,6 +159,8 @@ def _served(
             if result is None:
                 failed[run.name].add(str(item["query_id"]))
                 errors[failure_type(item)] += 1
+            if run.rerank and (reason := fallback_reason(result)):
+                fallbacks[reason] += 1
             hits = (result or {}).get("hits") or []
             rankings[run.name][str(item["query_id"])] = [str(hit["id"]) for hit in hits]
             add_usage(usage, billed_usage(item))  # a failed or canceled item's billed calls too
@@ -164,6 +168,7 @@ def _served(
     report["failed_by_run"] = {name: len(ids) for name, ids in failed.items()}
     report["failed"] = sum(report["failed_by_run"].values())
     report["errors"] = dict(errors.most_common())
+    report["rerank_fallbacks"] = dict(fallbacks.most_common())
     report["missing"] = absent_queries(queries_path, qrels)
     report["missing_from"] = str(queries_path)
     report["usage"] = usage
@@ -264,6 +269,14 @@ def _print_report(report: dict[str, Any]) -> None:
             f"[red]{report['failed']} search(es) did not succeed"
             + (f" ({why})" if why else "")
             + f"[/]; they score 0 (by run: {runs}); exit {EXIT_ITEMS_FAILED}",
+            soft_wrap=True,
+        )
+    if fallbacks := report.get("rerank_fallbacks"):
+        why = ", ".join(f"{plain(reason)} {n}" for reason, n in fallbacks.items())
+        console.print(
+            f"[yellow]{sum(fallbacks.values())} reranked search(es) fell back to the fused "
+            f"order ({why})[/]: the model's answer was not used, so the final (reranked) row "
+            "scores their fused order, as served",
             soft_wrap=True,
         )
     if report.get("index_written"):

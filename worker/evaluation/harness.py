@@ -364,6 +364,7 @@ def evaluate(
     runs = eval_runs(rerank, window)
     rankings: dict[str, dict[str, list[str]]] = {}
     usage_total: dict[str, float | None] = {}
+    fallbacks: Counter[str] = Counter()
     for run in runs:
         ranking = rankings[run.name] = {}
         for qid, text in queries:
@@ -381,10 +382,13 @@ def evaluate(
                 add_usage(usage_total, error.job_usage.model_dump() if error.job_usage else {})
                 raise EvaluationStopped(error, usage_total) from error
             ranking[qid] = [hit.id for hit in result.hits]
+            if reason := fallback_reason(result.model_dump(include={"rerank"})):
+                fallbacks[reason] += 1
             add_usage(usage_total, result.usage.model_dump())
             if progress is not None:
                 progress(run.name, 1)
     report = score_runs(rankings, runs, qrels, queries, window)
+    report["rerank_fallbacks"] = dict(fallbacks.most_common())
     report["usage"] = usage_total
     report["missing"] = absent_queries(collection.queries, qrels)
     report["missing_from"] = str(collection.queries)
@@ -604,6 +608,20 @@ def failure_type(item: Mapping[str, Any]) -> str:
     return str(kind or item.get("status") or "unknown")
 
 
+def fallback_reason(result: Mapping[str, Any] | None) -> str | None:
+    """Why a reranked search's hits are the fused order, the model's answer unused (its
+    ``rerank.fallback_reason``: ``no_valid_ranks``, ``error:<class>`` under ``fail_open``);
+    None when the model ranked them, or no rerank was asked.
+
+    >>> fallback_reason({"rerank": {"applied": False, "fallback_reason": "no_valid_ranks"}})
+    'no_valid_ranks'
+    >>> fallback_reason({"rerank": {"applied": True}}), fallback_reason(None)
+    (None, None)
+    """
+    rerank = (result or {}).get("rerank") or {}
+    return None if rerank.get("applied") else rerank.get("fallback_reason")
+
+
 def served_rankings(result: Mapping[str, Any] | None) -> dict[str, list[str]]:
     """The rankings one served search result holds, from the ranks its hits carry (and the
     trace's candidates when the request asked for the trace: the whole fused list).
@@ -670,7 +688,8 @@ def score_results(
     windows: list[int] = []
     fused_unknown = False  # a reranked result without its trace's candidates
     failed: set[str] = set()
-    reranked = False
+    reranked = False  # a rerank was asked of some result: the model's, or its fallback
+    fallbacks: Counter[str] = Counter()
     usage: dict[str, float | None] = {}
     for item in items:
         qid = str(item.get("query_id"))
@@ -685,10 +704,12 @@ def score_results(
         held[qid] = served_rankings(result)
         add_usage(usage, billed_usage(item))
         if result:
-            reranked |= bool((result.get("rerank") or {}).get("applied"))
+            applied = bool((result.get("rerank") or {}).get("applied"))
+            reason = fallback_reason(result)  # the fused order served as the reranked one
+            fallbacks.update([reason] if reason else [])
+            reranked |= applied or reason is not None
             trace = result.get("trace")
             coarse.add((trace or {}).get("coarse_limit"))
-            applied = bool((result.get("rerank") or {}).get("applied"))
             fused_unknown |= applied and not (trace or {}).get("candidates")
             windows += [w for w in [window_of(trace)] if w is not None]
     window = window or (windows[0] if windows else DEFAULT_WINDOW)
@@ -719,6 +740,7 @@ def score_results(
     }
     report["failed"] = len(failed)
     report["errors"] = dict(errors.most_common())
+    report["rerank_fallbacks"] = dict(fallbacks.most_common())
     report["failed_by_run"] = dict.fromkeys(runs, len(failed))
     report["missing"] = sum(
         1 for qid, docs in qrels.items() if qid not in held and any(g > 0 for g in docs.values())
