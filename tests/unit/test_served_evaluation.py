@@ -210,3 +210,27 @@ def test_reranked_results_served_the_fused_order_are_named_not_scored_as_the_mod
     plain = [item | {"result": result(hit("b", 1, 1, 1, 1))} for item in items]
     report = score_results(plain, qrels, window=30)  # no rerank asked: nothing fell back
     assert report["rerank_fallbacks"] == {} and "final (reranked)" not in report["runs"]
+
+
+def test_results_compare_fusion_with_a_channel_only_where_they_hold_its_first_ten() -> None:
+    """A batch's results hold a channel's ranks only as deep as its hits go: past that, the
+    channel's nDCG@10 is a lower bound (``≥`` in the table), so a run compared with it
+    "won" where it may have lost. q1's two hits hold BM25's and kNN's first rank only; q2's
+    ten hold both channels' first ten. Fusion is compared on q2 alone (a tie), where it
+    "won" on q1 against both channels: on SciFact, the reranked run of ``sift eval --index``
+    lost to the better channel on 91.5 % of the queries, and ``--results`` of its file said
+    it lost on none."""
+    qrels = {"q1": {"a": 1}, "q2": {"d0": 1}}
+    cut = result(hit("x", 1, 1, 1, 1), hit("a", 2, 2, 3, 3))
+    deep = result(*(hit(f"d{i}", i + 1, i + 1, i + 1, i + 1) for i in range(10)))
+    items = [
+        {"query_id": "q1", "status": "succeeded", "result": cut},
+        {"query_id": "q2", "status": "succeeded", "result": deep},
+    ]
+    report = score_results(items, qrels, window=10)
+    assert report["lower_bounds"]["bm25"]  # q1's BM25 ranking is cut after its first
+    versus = report["fusion_vs_channels"]["fused"]
+    assert versus["queries"] == 1
+    assert versus["vs_better_channel_per_query"] == {"lost": 0.0, "won": 0.0, "tied": 1.0}
+    items.pop()  # no query holds a channel's first ten: nothing to compare
+    assert "fused" not in score_results(items, qrels, window=10)["fusion_vs_channels"]

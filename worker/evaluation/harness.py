@@ -436,7 +436,8 @@ def score_rankings(
     ``candidates`` is the fused ranking whose first ``window`` documents the reranker sees;
     ``final`` the ranking the conditional row scores; ``approximated`` why ``candidates``
     are not quite those (None: they are). A query absent from a run scores 0 (``failed``:
-    by run, the queries whose search failed; :func:`fusion_vs_channels` leaves them out).
+    by run, the queries whose search failed, or whose nDCG@10 is only a lower bound there;
+    :func:`fusion_vs_channels` leaves them out).
     ``depth`` is the fewest documents a run ranked for any query: a measure past it (R@100
     of a run 40 deep) counts only what was ranked.
     """
@@ -720,6 +721,14 @@ def score_results(
     runs["fused"] = per_run["fused"]  # RRF over the channels the searches' mode ran
     if reranked:
         runs["final (reranked)"] = per_run["final"]
+    # a ranking the results hold less than 10 deep (a batch's limit, a reranked search's
+    # hits) has only a lower bound for its nDCG@10: a run compared with it there "won"
+    # where it may have lost, so such a query is left out of that run's comparisons
+    cut: dict[str, set[str]] = {
+        name: {q for q in judged if len(runs[name][q]) < 10}
+        for name in ("bm25", "knn", "fused")
+        if name in runs
+    }
     report = score_rankings(
         runs,
         qrels,
@@ -728,7 +737,8 @@ def score_results(
         candidates=per_run["fused"],
         final=per_run["final"],
         approximated=None if fused_as_reranked else _untraced_note(window),
-        failed=dict.fromkeys(runs, failed),  # every run is of the same searches
+        # every run is of the same searches
+        failed={name: failed | cut.get(name, set()) for name in runs},
     )
     report["unknown"] = {}
     if fused_unknown:
