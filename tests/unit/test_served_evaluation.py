@@ -234,3 +234,25 @@ def test_results_compare_fusion_with_a_channel_only_where_they_hold_its_first_te
     assert versus["vs_better_channel_per_query"] == {"lost": 0.0, "won": 0.0, "tied": 1.0}
     items.pop()  # no query holds a channel's first ten: nothing to compare
     assert "fused" not in score_results(items, qrels, window=10)["fusion_vs_channels"]
+
+
+def test_results_of_which_no_hit_is_judged_are_named_not_scored_silently(tmp_path: Path) -> None:
+    """Results of another index than the qrels' (a batch of SciFact claims run on a 30-document
+    index) scored 0.000 on every row with no word, exit 0: no hit of any run was a document
+    the qrels judge. The report counts the judged hits, and the table says so under it."""
+    qrels = {"q1": {"a": 1}, "q2": {"b": 1}}
+    items = [
+        {"query_id": q, "status": "succeeded", "result": result(hit("x", 1, 1, 1, 1))}
+        for q in ("q1", "q2")
+    ]
+    assert score_results(items, qrels, window=30)["judged_hits"] == 0
+    items[0]["result"] = result(hit("a", 1, 1, 1, 1))
+    assert score_results(items, qrels, window=30)["judged_hits"] == 3  # bm25, knn, fused: a
+
+    items[0]["result"] = result(hit("y", 1, 1, 1, 1))
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(i) + "\n" for i in items))
+    (tmp_path / "qrels.tsv").write_text("query-id\tcorpus-id\tscore\nq1\ta\t1\nq2\tb\t1\n")
+    args = ["eval", "--results", str(tmp_path / "results.jsonl")]
+    run = CliRunner().invoke(app, [*args, "--qrels", str(tmp_path / "qrels.tsv")])
+    said = " ".join(run.output.split())
+    assert "no hit of any run is a document the qrels judge" in said, said

@@ -203,6 +203,12 @@ def _print_report(report: dict[str, Any]) -> None:
             "" if ranked is None else str(ranked),
         )
     console.print(table)
+    if report.get("judged_hits") == 0:
+        console.print(
+            "[yellow]no hit of any run is a document the qrels judge[/]: are these the "
+            "results (or the index) of the collection the qrels are for?",
+            soft_wrap=True,
+        )
     for reason in (report.get("unknown") or {}).values():
         console.print(f"[yellow]–: unknown[/]: {reason}", soft_wrap=True)
     if any(lower.values()):

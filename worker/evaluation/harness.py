@@ -452,6 +452,13 @@ def score_rankings(
     for name, ranking in runs.items():
         report["runs"][name] = _aggregate(qrel_list, _scored(ranking, judged))
         report["depth"][name] = min((len(ranking.get(qid, [])) for qid in judged), default=0)
+    # none: rankings of another index or collection than the qrels' (every figure 0)
+    report["judged_hits"] = sum(
+        doc in qrels[qid]
+        for ranking in runs.values()
+        for qid in judged
+        for doc in ranking.get(qid, ())
+    )
 
     # Candidate recall at the rerank window bounds what any reranker can reach (seed 004).
     recalls = _recalls_at(window, qrel_list, candidates, judged)
