@@ -134,3 +134,49 @@ def test_a_single_process_worker_makes_a_missing_metrics_folder(tmp_path: Path) 
             text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     assert 'sift_jobs_in_flight{state="running"} 0.0' in text
     assert list(folder.glob("*.db"))
+
+
+def test_a_celery_worker_on_the_prefork_pool_counts_what_its_children_ran(
+    tmp_path: Path,
+) -> None:
+    """``celery -A worker.queue.celery_app worker`` (docs/queue.md's stack by hand) with
+    SIFT_WORKER_POOL=prefork: its children's counts reach its /metrics. The switch to
+    multiprocess mode was made only by ``sift worker``, so each child counted in its own
+    memory and /metrics served every count at 0."""
+    import sys
+
+    from worker.constants import ALL_QUEUES
+    from worker.processes.stack import Service, child_env, running
+
+    port = free_port()
+    with redis_server(tmp_path / "redis") as url:
+        env = _worker_env(tmp_path, url, port)
+        forks = {**env, "SIFT_WORKER_POOL": "prefork", "SIFT_WORKER_CONCURRENCY": "2"}
+        worker_env = child_env(forks, inherit_sift=False)
+        worker_env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        command = [sys.executable, "-m", "celery", "-A", "worker.queue.celery_app", "worker",
+                   "-Q", ",".join(ALL_QUEUES), "-n", "plain@%h", "-l", "INFO", "--without-gossip",
+                   "--without-mingle"]  # fmt: skip
+        celery = Service("celery worker", command, tmp_path / "celery.log", worker_env,
+                         ready_line=b" ready.")  # fmt: skip
+        with (
+            running(celery),
+            gateway(tmp_path / "g", env) as base,
+            httpx.Client(base_url=base, timeout=60) as client,
+        ):
+            documents = [json.loads(line) for line in SAMPLE.read_text().splitlines()]
+            ingested = client.post(
+                "/v1/indexes/docs/documents", params={"wait": 30},
+                headers={"Authorization": f"Bearer {KEYS[0]['key']}"},
+                json={"documents": documents},
+            )  # fmt: skip
+            assert ingested.status_code == 200, ingested.text
+            counted = 'sift_jobs_completed_total{kind="ingest",status="succeeded"} 1.0'
+            text = ""
+            deadline = time.monotonic() + 30
+            while counted not in text and time.monotonic() < deadline:
+                text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+                time.sleep(0.2)
+    assert counted in text, [
+        line for line in text.splitlines() if line.startswith("sift_jobs_completed_total")
+    ]

@@ -63,11 +63,24 @@ def _settings_of(sender: Any) -> Settings | None:
 
 
 def _serve_metrics(sender: Any = None, **_: Any) -> None:
-    """On worker start, serve ``/metrics`` on ``SIFT_WORKER_METRICS_PORT`` (0 turns it off)."""
+    """On worker start, serve ``/metrics`` on ``SIFT_WORKER_METRICS_PORT`` (0 turns it off).
+
+    A prefork worker not in multiprocess mode yet (``celery worker`` run on this app, which
+    ``sift worker``'s own set-up does not reach) is switched to it here, before the pool
+    forks: its children's counts went to their own memory, and ``/metrics`` served zeros."""
     settings = _settings_of(sender)
     if settings is None or not settings.worker_metrics_port:
         return
-    from worker.observability.metrics import serve_worker_metrics
+    from worker.observability.metrics import (
+        multiprocess_dir,
+        serve_worker_metrics,
+        setup_multiprocess,
+    )
+
+    if settings.worker_pool == "prefork" and multiprocess_dir() is None:
+        from worker.processes.workers import temporary_metrics_dir
+
+        setup_multiprocess(temporary_metrics_dir())
 
     try:
         serve_worker_metrics(settings)
