@@ -138,12 +138,19 @@ def recovery_stack(shared: RecoveryStack) -> Iterator[RecoveryStack]:
 
 @contextmanager
 def worker(
-    directory: Path, env: dict[str, str], name: str, processes: int = 1
+    directory: Path,
+    env: dict[str, str],
+    name: str,
+    processes: int = 1,
+    pool: str | None = None,
+    concurrency: int | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """``sift worker`` at its default concurrency and pool (``processes``: its supervisor's
-    Celery processes, one per core at the defaults)."""
+    """``sift worker`` at its default concurrency and pool unless given (``processes``: its
+    supervisor's Celery processes, one per core at the defaults)."""
     env = child_env(env, inherit_sift=False)
-    with worker_process(directory, env, name, processes=processes) as proc:
+    with worker_process(
+        directory, env, name, processes=processes, pool=pool, concurrency=concurrency
+    ) as proc:
         yield proc
 
 
@@ -441,6 +448,53 @@ def test_sigterm_hands_back_the_items_waiting_for_a_place_in_flight(
             code = worker_a.wait(3 * soft_shutdown)
         log = (tmp_path / "w" / "a.log").read_text(errors="replace")
         assert "not stopped" not in log and code == 0, (code, log[-2000:])
+        assert Counter(item_statuses(url, batch_id).values()) == Counter(
+            {"queued": total - places, "succeeded": places}
+        )
+        finished_once_by_another_worker(tmp_path, RecoveryStack(url, env, client), model,
+                                        batch_id, total)  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_to_a_prefork_worker_hands_back_the_items_its_child_has_not_started(
+    tmp_path: Path, shared: RecoveryStack
+) -> None:
+    """The test above on ``sift worker --pool prefork`` (one child): SIGTERM to the worker
+    reaches the child running the chunk, whose 8 items waiting for a place go back
+    ``queued``, unsent, and the worker exits cleanly once the model answers the 2. Before,
+    Celery's warm shutdown told the child nothing: the hand-back ran in the parent, which
+    holds no item, the child started the 8 as places freed, and a stop outlasting its
+    deadline was cut at it (exit 3, its line blaming Redis)."""
+    total, places = 10, 2
+    soft_shutdown = Settings(_env_file=None).worker_soft_shutdown_seconds  # type: ignore[call-arg]
+    with FakeAnthropic() as model, recovery_stack(shared) as (url, env, client):
+        env = {
+            **env,
+            "ANTHROPIC_BASE_URL": model.url,
+            "SIFT_RERANK_MAX_IN_FLIGHT": str(places),
+            "SIFT_GENERATION_TIMEOUT_SECONDS": "60",
+            "SIFT_SEARCH_DEADLINE_SECONDS": "60",
+        }
+        with worker(tmp_path / "w", env, "a", pool="prefork", concurrency=1) as worker_a:
+            ingest(client)
+            model.configure(hold_unscripted=True)  # the calls in flight held, unanswered
+            batch_id = submit(client, total)
+            wait_for(lambda: model.counts()["received"] == places, "two calls at the model")
+            wait_for(
+                lambda: batch_counts(client, batch_id)["counts"]["running"] == total,
+                "every item started, 8 of them waiting for a place",
+            )
+            worker_a.send_signal(signal.SIGTERM)
+            wait_for(
+                lambda: Counter(item_statuses(url, batch_id).values())["queued"] == total - places,
+                "the items waiting for a place handed back",
+                30,
+            )
+            model.configure(hold_unscripted=False)  # the 2 calls answered
+            code = worker_a.wait(3 * soft_shutdown)
+        log = (tmp_path / "w" / "a.log").read_text(errors="replace")
+        assert "not stopped" not in log and code == 0, (code, log[-2000:])
+        assert model.counts()["received"] == places, model.counts()
         assert Counter(item_statuses(url, batch_id).values()) == Counter(
             {"queued": total - places, "succeeded": places}
         )

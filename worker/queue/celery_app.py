@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from datetime import UTC, datetime
@@ -28,6 +29,7 @@ from celery.signals import (
     task_prerun,
     task_received,
     worker_init,
+    worker_process_init,
     worker_process_shutdown,
     worker_ready,
     worker_shutdown,
@@ -221,12 +223,29 @@ def _received(sender: Any = None, request: Any = None, **_: Any) -> None:
     liveness.received(request)
 
 
+# What a prefork parent's stop sends its children: Celery's warm shutdown tells them nothing,
+# and billiard uses SIGUSR1 for its soft time limit
+HAND_BACK_SIGNAL = signal.SIGUSR2
+
+
 def _stopping(sig: str | None = None, **_: Any) -> None:
     """SIGTERM/SIGINT (a rolling restart): hand the batch items not yet started back at once,
-    from a thread, since this runs in the signal handler (:mod:`worker.queue.items`)."""
+    from a thread, since this runs in the signal handler (:mod:`worker.queue.items`). A
+    prefork parent runs no item: its children hold them, and each is told to hand back its
+    own (:func:`_child_started`); they started item after item until the stop's deadline."""
+    from billiard.process import active_children
+
     from worker.queue.base import hand_back_items
 
     threading.Thread(target=hand_back_items, name="sift-hand-back", daemon=True).start()
+    for child in active_children():
+        if child.pid:
+            os.kill(child.pid, HAND_BACK_SIGNAL)
+
+
+def _child_started(**_: Any) -> None:
+    """A prefork child starts: its parent's stop reaches it as :data:`HAND_BACK_SIGNAL`."""
+    signal.signal(HAND_BACK_SIGNAL, lambda *_: _stopping())
 
 
 def _stopped(**_: Any) -> None:
@@ -332,6 +351,7 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
     worker_shutting_down.connect(_stopping, weak=False, dispatch_uid="sift-stopping")
     worker_shutdown.connect(_warm_up_ends, weak=False, dispatch_uid="sift-warm-up-ends")
     worker_shutdown.connect(_stopped, weak=False, dispatch_uid="sift-stopped")
+    worker_process_init.connect(_child_started, weak=False, dispatch_uid="sift-child-start")
     worker_process_shutdown.connect(_child_exited, weak=False, dispatch_uid="sift-child-exit")
     task_prerun.connect(_job_begins, weak=False, dispatch_uid="sift-job-begins")
     task_prerun.connect(_clock_read, weak=False, dispatch_uid="sift-clock-read")
