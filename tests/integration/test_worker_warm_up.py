@@ -78,3 +78,27 @@ def test_a_worker_stopped_while_it_makes_the_graph_finishes_it_and_leaves_nothin
     assert list(models.glob("minilm-int8-matmul-*.onnx")), text[-2000:]
     assert not list(models.glob("*.making-*")), sorted(p.name for p in models.iterdir())
     assert "Traceback" not in text and "warm-up failed" not in text, text[-3000:]
+
+
+def test_a_prefork_worker_s_child_loads_its_model_as_it_starts_with_no_job_sent(
+    tmp_path: Path,
+) -> None:
+    """``sift worker --pool prefork``: each child loads the model as it starts, as a
+    threads-pool worker does. Before, only a threads-pool worker warmed up: a prefork child
+    loaded the model at its first job (a search's ``?wait=20`` answered 202 after a restart
+    on a busy 2-core host, its child's load 17-21 s), and so did every child replacing one
+    that died."""
+    with redis_server(tmp_path / "redis") as url:
+        env = {
+            "SIFT_REDIS_URL": url + "/0",
+            "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1",
+            "SIFT_WORKER_METRICS_PORT": str(free_port()),
+        }
+        with celery_worker(tmp_path / "w", env, "forks", concurrency=1, pool="prefork"):
+            log = tmp_path / "w" / "forks.log"
+            assert _log_says(log, LOADED, seconds=90), log.read_text()[-2000:]
+    text = log.read_text()
+    assert "warm-up failed" not in text, text[-2000:]
+    assert "Task sift." not in text  # no job ran: the child's start did it
+    loaded = [line for line in text.splitlines() if LOADED in line]
+    assert ["ForkPoolWorker-1" in line for line in loaded] == [True], loaded

@@ -10,6 +10,7 @@ above them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -116,12 +117,18 @@ def _warm_up(sender: Any = None, **_: Any) -> None:
     of its own: the first search or ingest paid for it (the model session's load, about a
     second; on a machine's first start also the int8 graph's making, a few more). Only a
     threads-pool worker that takes searches, batches or ingests: a prefork parent never runs
-    them, and a webhooks-only worker never embeds."""
+    them (each child warms up as it starts: :func:`_child_started`), and a webhooks-only
+    worker never embeds."""
     app = getattr(sender, "app", None)
     settings = _settings_of(sender)
     if settings is None or not settings.redis_url or settings.worker_pool != "threads":
         return
-    consumed = set(app.amqp.queues.consume_from)  # type: ignore[union-attr]
+    _warm_up_thread(app, settings)
+
+
+def _warm_up_thread(app: Any, settings: Settings) -> None:
+    """:func:`_warm_up`'s thread, started when ``app``'s worker takes what embeds."""
+    consumed = set(app.amqp.queues.consume_from)
     if not consumed & {SEARCH_QUEUE, BATCH_QUEUE, INGEST_QUEUE}:
         return
     from worker.queue.base import warm_up
@@ -243,9 +250,15 @@ def _stopping(sig: str | None = None, **_: Any) -> None:
             os.kill(child.pid, HAND_BACK_SIGNAL)
 
 
-def _child_started(**_: Any) -> None:
-    """A prefork child starts: its parent's stop reaches it as :data:`HAND_BACK_SIGNAL`."""
+def _child_started(app: Any, **_: Any) -> None:
+    """A prefork child starts: its parent's stop reaches it as :data:`HAND_BACK_SIGNAL`, and
+    it warms up as a threads-pool worker does at its start. Its first job loaded the model
+    (17-21 s measured on a busy 2-core host, a search's ``?wait=20`` answered 202), and so
+    did each child replacing one that died or was recycled."""
     signal.signal(HAND_BACK_SIGNAL, lambda *_: _stopping())
+    settings: Settings | None = getattr(app.conf, "sift_settings", None)
+    if settings is not None and settings.redis_url:
+        _warm_up_thread(app, settings)
 
 
 def _stopped(**_: Any) -> None:
@@ -255,8 +268,11 @@ def _stopped(**_: Any) -> None:
 
 
 def _child_exited(pid: int | None = None, **_: Any) -> None:
-    """A prefork child exits: in multiprocess mode, drop its share of the live gauges."""
+    """A prefork child exits: once its warm-up has ended (:func:`_warm_up_ends`), in
+    multiprocess mode, drop its share of the live gauges."""
     from worker.observability.metrics import mark_process_dead
+
+    _warm_up_ends()
 
     mark_process_dead(pid or os.getpid())
 
@@ -351,7 +367,9 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
     worker_shutting_down.connect(_stopping, weak=False, dispatch_uid="sift-stopping")
     worker_shutdown.connect(_warm_up_ends, weak=False, dispatch_uid="sift-warm-up-ends")
     worker_shutdown.connect(_stopped, weak=False, dispatch_uid="sift-stopped")
-    worker_process_init.connect(_child_started, weak=False, dispatch_uid="sift-child-start")
+    worker_process_init.connect(
+        functools.partial(_child_started, celery), weak=False, dispatch_uid="sift-child-start"
+    )
     worker_process_shutdown.connect(_child_exited, weak=False, dispatch_uid="sift-child-exit")
     task_prerun.connect(_job_begins, weak=False, dispatch_uid="sift-job-begins")
     task_prerun.connect(_clock_read, weak=False, dispatch_uid="sift-clock-read")
