@@ -70,7 +70,7 @@ def _serve_metrics(sender: Any = None, **_: Any) -> None:
 
     A prefork worker not in multiprocess mode yet (``celery worker`` run on this app, which
     ``sift worker``'s own set-up does not reach) is switched to it here, before the pool
-    forks: its children's counts went to their own memory, and ``/metrics`` served zeros."""
+    forks, so its children's counts reach ``/metrics``."""
     settings = _settings_of(sender)
     if settings is None or not settings.worker_metrics_port:
         return
@@ -239,7 +239,7 @@ def _stopping(sig: str | None = None, **_: Any) -> None:
     """SIGTERM/SIGINT (a rolling restart): hand the batch items not yet started back at once,
     from a thread, since this runs in the signal handler (:mod:`worker.queue.items`). A
     prefork parent runs no item: its children hold them, and each is told to hand back its
-    own (:func:`_child_started`); they started item after item until the stop's deadline."""
+    own (:func:`_child_started`)."""
     from billiard.process import active_children
 
     from worker.queue.base import hand_back_items
@@ -252,9 +252,8 @@ def _stopping(sig: str | None = None, **_: Any) -> None:
 
 def _child_started(app: Any, **_: Any) -> None:
     """A prefork child starts: its parent's stop reaches it as :data:`HAND_BACK_SIGNAL`, and
-    it warms up as a threads-pool worker does at its start. Its first job loaded the model
-    (17-21 s measured on a busy 2-core host, a search's ``?wait=20`` answered 202), and so
-    did each child replacing one that died or was recycled."""
+    it warms up as a threads-pool worker does at its start, so no first job (a replacing
+    child's too) waits for the model."""
     signal.signal(HAND_BACK_SIGNAL, lambda *_: _stopping())
     settings: Settings | None = getattr(app.conf, "sift_settings", None)
     if settings is not None and settings.redis_url:
