@@ -720,7 +720,7 @@ def test_a_canceled_provider_batch_is_polled_soon_not_at_the_poll_s_next_turn(
 
 
 def test_a_provider_batch_the_submission_cancels_for_a_cancel_during_its_create_is_polled_soon(
-    context: WorkerContext, model: FakeAnthropic, workers: None
+    context: WorkerContext, model: FakeAnthropic, workers: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The batch is canceled while its submission's create runs (the submission read it
     before the cancel, and the cancel's ``sift.economy_cancel`` found no provider batch
@@ -731,9 +731,8 @@ def test_a_provider_batch_the_submission_cancels_for_a_cancel_during_its_create_
     after the create is polled at 5 s."""
     model.configure(batch_processing_seconds=3600.0)
     batch, qids = _prepared(context, 2)
-    store = context.store
     task = _Task(context, "submit")
-    assert store.cancel_batch(batch.id) == (0, False)  # after the submission read the batch
+    _cancel_during_the_first_create(context, batch, monkeypatch)
     leases.leased(task, batch.id, economy.SUBMIT_CLAIM, lambda: economy.submit(task, batch, qids))  # type: ignore[arg-type]
     [made] = model.batches()
     assert made["status"] != "in_progress"  # canceled there
@@ -761,6 +760,28 @@ def _cancel_during_the_first_create(
         return before_write
 
     monkeypatch.setattr(submission, "upload_guard", cancelling)
+
+
+def test_a_cancel_during_a_submission_s_create_sends_none_of_its_later_provider_batches(
+    context: WorkerContext, model: FakeAnthropic, workers: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A submission of three provider batches (one request each) whose batch is canceled
+    while its first create goes out: that one, made, is canceled at the provider and its item
+    waits on its canceled line; the two items not sent yet are canceled at once, never sent.
+    Before, the submission went on to create the other two provider batches after the
+    cancel, canceling them only once every create was made: the provider ran (and billed)
+    what it processed of requests the user had canceled before they were sent."""
+    model.configure(batch_processing_seconds=3600.0)
+    context.settings = context.settings.model_copy(update={"economy_max_requests_per_batch": 1})
+    batch, qids = _prepared(context, 3)
+    _cancel_during_the_first_create(context, batch, monkeypatch)
+    _submission(context, batch, qids, "1")
+    [made] = model.batches()  # the first only
+    assert made["status"] != "in_progress"  # canceled there
+    statuses = context.store.economy_get(batch.id, BATCH_ITEMS_KEY, qids)
+    assert statuses == ["running", "canceled", "canceled"]
+    got = context.store.get_batch(batch.id)
+    assert got is not None and got.finished_at is None and got.counts["canceled"] == 2
 
 
 def test_a_cancel_runs_a_submission_waiting_to_retry_its_create_at_once(

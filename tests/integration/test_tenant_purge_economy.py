@@ -364,9 +364,11 @@ def test_a_create_whose_answer_is_lost_after_the_purge_is_logged(
     assert _named(store, batch.id) == []
 
 
-# where the purge (having read the batch's provider batches while the first of its two
-# creates ran: none recorded yet) deletes the batch's records: each is another way out of
-# the submission, after the first provider batch was recorded, which the purge never saw
+# where the purge deletes the batch's records: each is another way out of the submission,
+# after the first provider batch was recorded. The purge cancels the jobs and reads the
+# provider batches to cancel while the first create runs (none recorded yet: it never saw
+# the first) when the second chunk's mark is refused; otherwise just past the second chunk's
+# check for a cancel (a purge coming earlier, the submission makes no create more)
 SECOND_CHUNK_EXITS = [
     "the second chunk's runs refused (save_runs)",
     "the second chunk's mark refused (leases.expect, its lease gone)",
@@ -380,9 +382,8 @@ def test_every_provider_batch_made_before_the_purge_deleted_the_records_is_cance
     context: WorkerContext, model: FakeAnthropic, workers: None, monkeypatch: pytest.MonkeyPatch,
     exit_: str,
 ) -> None:  # fmt: skip
-    """A submission of two provider batches: the purge read the batch's provider batches
-    while the first create ran, and deleted its records before the submission ended. Only
-    the loop's normal end canceled what the submission had made: at every other exit (a
+    """A submission of two provider batches whose records the purge deleted before it ended.
+    Only the loop's normal end canceled what the submission had made: at every other exit (a
     save refused, its lease refused, the second record refused, the second create failing)
     the first provider batch ran on to its end, billed for an erased tenant and named by no
     record (the refused record's branch canceled only the newest). Every exit that finds
@@ -395,6 +396,12 @@ def test_every_provider_batch_made_before_the_purge_deleted_the_records_is_cance
     record_sent = submission.record_sent
     made: list[str] = []
     purge: dict[str, Any] = {}
+    mark_refused = exit_ == SECOND_CHUNK_EXITS[1]
+
+    def purge_reads() -> None:  # the purge cancels the jobs, reads the provider batches to cancel
+        purge["jobs"] = store.tenant_jobs("acme")
+        store.cancel_tenant_jobs(purge["jobs"])
+        purge["read"] = cancel.open_provider_batches(store, batch.id)
 
     def erase() -> None:  # the purge, its indexes dropped, deletes the records
         store.delete_tenant_jobs(purge["jobs"])
@@ -403,23 +410,23 @@ def test_every_provider_batch_made_before_the_purge_deleted_the_records_is_cance
     def create_(*args: Any, **kwargs: Any) -> Any:
         provider = create(*args, **kwargs)
         made.append(provider.id)
-        if len(made) == 1:  # the purge cancels the jobs, reads the provider batches to cancel
-            purge["jobs"] = store.tenant_jobs("acme")
-            store.cancel_tenant_jobs(purge["jobs"])
-            purge["read"] = cancel.open_provider_batches(store, batch.id)
-        elif exit_ in SECOND_CHUNK_EXITS[2:]:
+        if len(made) == 1 and mark_refused:
+            purge_reads()
+        elif len(made) == 2:
             erase()
             if exit_ == SECOND_CHUNK_EXITS[3]:
                 raise RerankAttemptError(AttemptOutcome.CONNECTION, "Server disconnected")
         return provider
 
     def new_submission_() -> str:
-        if purge and exit_ == SECOND_CHUNK_EXITS[0]:  # the second chunk's
-            erase()
+        if made and not purge:  # the second chunk's, past its check for a cancel
+            purge_reads()
+            if exit_ == SECOND_CHUNK_EXITS[0]:
+                erase()
         return new_submission()
 
     def record_sent_(*args: Any, **kwargs: Any) -> None:
-        if exit_ == SECOND_CHUNK_EXITS[1] and store.get_batch(batch.id) is not None:
+        if mark_refused and store.get_batch(batch.id) is not None:
             erase()  # the first chunk's runs are refused; the second chunk's mark next
         record_sent(*args, **kwargs)
 
@@ -434,9 +441,41 @@ def test_every_provider_batch_made_before_the_purge_deleted_the_records_is_cance
     else:
         _submission(context, batch, qids, "1")
 
-    assert purge["read"] == []  # the purge had nothing to cancel
+    assert purge["read"] == ([] if mark_refused else made[:1])  # the second: never seen
     statuses = {b["id"]: b["status"] for b in model.batches()}
     assert statuses[made[0]] != "in_progress", "left running, billed for an erased tenant"
     if exit_ == SECOND_CHUNK_EXITS[2]:
         assert statuses[made[1]] != "in_progress"
+    assert _named(store, batch.id) == []
+
+
+def test_a_purge_during_the_first_create_gets_no_second_create(
+    context: WorkerContext, model: FakeAnthropic, workers: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The purge cancels the jobs while the first of two creates runs (it reads no provider
+    batch: none is recorded yet): the submission makes no second create, for items of an
+    erased tenant, and cancels the first one it made. Before, it created the second one
+    after the purge's cancel, canceling both only once both were made."""
+    store = context.store
+    batch, qids = _prepared(context, 2)
+    client = context.batches
+    assert client is not None
+    create = client.create
+    read: list[list[str]] = []
+
+    def create_(*args: Any, **kwargs: Any) -> Any:
+        provider = create(*args, **kwargs)
+        jobs = store.tenant_jobs("acme")
+        store.cancel_tenant_jobs(jobs)
+        read.append(cancel.open_provider_batches(store, batch.id))
+        return provider
+
+    monkeypatch.setattr(client, "create", create_)
+    monkeypatch.setattr(context.settings, "economy_max_requests_per_batch", 1)
+    _submission(context, batch, qids, "1")
+    _purge_records(store)
+
+    assert read == [[]]  # one create only, the purge having read nothing to cancel
+    [made] = model.batches()
+    assert made["status"] != "in_progress"
     assert _named(store, batch.id) == []

@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 from celery import shared_task
@@ -179,9 +180,19 @@ def _send(
 ) -> None:
     """Create a provider batch for each chunk, each id added to ``created`` as soon as it is
     made: :func:`submit` cancels them all should the batch be erased meanwhile, at whatever
-    point this stops (a refused save or record, a failed create, a lease taken)."""
+    point this stops (a refused save or record, a failed create, a lease taken).
+
+    A batch canceled meanwhile (during an earlier create) gets no create more: the items
+    still to send, this chunk's and the rest's, are canceled at once, as a submission that
+    finds the cancel at its start cancels them."""
     for chunk in chunks:
         expect(task, batch.id, watch, 0.0)
+        current = task.context.store.get_batch(batch.id)
+        if current is not None and current.canceled_at is not None:
+            for p in chain(chunk, *chunks):
+                cancel_item(task, current, p.query_id, p.run)
+            log.info("batch %s: canceled; its items not sent yet are canceled", batch.id)
+            return
         submission = new_submission()
         started = clock.now()
         for p in chunk:
