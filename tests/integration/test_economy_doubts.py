@@ -964,6 +964,28 @@ def _candidates_polled(context: WorkerContext, batch: BatchJob) -> bool:
     return all(str(r["provider"]).startswith(economy.DOUBT) for r in runs)
 
 
+def test_a_cancel_while_a_create_is_in_doubt_looks_for_its_batch(
+    context: WorkerContext, model: FakeAnthropic, workers: None
+) -> None:
+    """The batch is canceled while its submission waits to try again a create whose answer
+    was lost (the provider made the batch). The submission, run again, cancels its items,
+    and the provider batch that create made is a candidate, polled and judged. Before, the
+    items were canceled unsought: that provider batch, known to nothing, ran to its end,
+    every request billed, and an erase left it, the queries' text with it, at the provider."""
+    model.configure(batch_processing_seconds=3600.0)
+    batch, qids = _prepared(context, 2)
+    model.script_batch_calls("create", [drop()])  # the batch made, its answer lost
+    with pytest.raises(RerankAttemptError):
+        _submission(context, batch, qids, "1")
+    assert context.store.cancel_batch(batch.id) == (0, False)  # every item running
+    _submission(context, batch, qids, "2")
+    [made] = model.batches()
+    assert _candidates_polled(context, batch)
+    doubts = context.store.economy_all(batch.id, ECONOMY_PROVIDERS_KEY)
+    assert list(doubts) == [made["id"]] and json.loads(doubts[made["id"]])["doubt"]
+    assert context.store.economy_get(batch.id, BATCH_ITEMS_KEY, qids) == ["canceled"] * 2
+
+
 @pytest.mark.parametrize("skew", [-300.0, -150.0, 150.0])
 def test_a_create_in_doubt_made_on_a_host_minutes_off_is_found(
     context: WorkerContext, model: FakeAnthropic, workers: None, shared_clock: SharedClock,

@@ -268,12 +268,7 @@ def submit(
     cancel them."""
     settings = task.context.settings
     if batch.canceled_at is not None:
-        # the items still to send end now; one already in a provider batch (sent by an
-        # earlier run of this submission, its message delivered again) waits on it: the
-        # cancel's sift.economy_cancel ends its request unless the provider processed it
-        for qid, _, run in running_items(task, batch, query_ids):
-            if run["provider"] == expected:
-                cancel_item(task, batch, qid)
+        _cancel_unsent(task, batch, query_ids, expected, watch)
         return []
     try:  # a removed tenant's prompts go nowhere: the items still to send end failed
         task.context.admit(batch.tenant)
@@ -310,6 +305,31 @@ def submit(
             if cancel_quietly(task.context.store, batch.id, client, provider_id):
                 send_anew(task, batch.id, provider_id, CANCELED_POLL_SECONDS)
     return created
+
+
+def _cancel_unsent(
+    task: SiftTask, batch: BatchJob, query_ids: Sequence[str], expected: str | None, watch: str
+) -> None:
+    """End the items still to send of a canceled batch; one already in a provider batch (sent
+    by an earlier run of this submission, its message delivered again) waits on it: the
+    cancel's sift.economy_cancel ends its request unless the provider processed it.
+
+    A create of theirs whose answer was lost is looked for first (:func:`settle_doubts`):
+    the provider batch it may have made becomes a candidate, polled and judged as any
+    (deleted at an erase if its lines prove it Sift's, named by a purge). Canceled unsought,
+    it was known to nothing: it ran to its end, every request billed, and an erase left it,
+    the queries' text with it, at the provider. A create that may still be under way (its
+    window not passed), or a provider that does not answer the list, leaves it unsought,
+    as before: the cancel is not held up."""
+    to_end = [qid for qid, _, run in running_items(task, batch, query_ids)
+              if run["provider"] == expected]  # fmt: skip
+    if task.context.batches is not None:
+        try:
+            settle_doubts(task, batch, to_end, expected, watch)
+        except RerankAttemptError as exc:
+            log.warning("batch %s: canceled; a create in doubt not looked for: %s", batch.id, exc)
+    for qid in to_end:
+        cancel_item(task, batch, qid)
 
 
 def _ended_without_model(
