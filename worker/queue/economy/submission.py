@@ -316,11 +316,9 @@ def _cancel_unsent(
 
     A create of theirs whose answer was lost is looked for first (:func:`settle_doubts`):
     the provider batch it may have made becomes a candidate, polled and judged as any
-    (deleted at an erase if its lines prove it Sift's, named by a purge). Canceled unsought,
-    it was known to nothing: it ran to its end, every request billed, and an erase left it,
-    the queries' text with it, at the provider. A create that may still be under way (its
-    window not passed), or a provider that does not answer the list, leaves it unsought,
-    as before: the cancel is not held up."""
+    (deleted at an erase if its lines prove it Sift's, named by a purge). A create that may
+    still be under way (its window not passed), or a provider that does not answer the
+    list, leaves it unsought: the cancel is not held up."""
     to_end = [qid for qid, _, run in running_items(task, batch, query_ids)
               if run["provider"] == expected]  # fmt: skip
     if task.context.batches is not None:
