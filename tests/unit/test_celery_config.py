@@ -128,3 +128,15 @@ def test_the_webhook_task_s_time_limits_outlast_its_cap(cap: float) -> None:
     assert cap + OUTAGE_SECONDS < soft < hard
     # and the visibility timeout still outlasts every task, the webhook's too
     assert conf["broker_transport_options"]["visibility_timeout"] > hard
+
+
+def test_a_prefork_pool_left_at_the_threads_concurrency_gets_celery_s_one_child_a_core() -> None:
+    """``celery worker`` run by hand on Sift's app with ``SIFT_WORKER_POOL=prefork`` (the
+    docs' stack by hand; ``sift worker`` refuses it) forked 300 children, the threads pool's
+    default concurrency: left unset, Celery's own default (one child a core) applies."""
+    url = "redis://127.0.0.1:1/0"
+    assert celery_config(load_settings(redis_url=url))["worker_concurrency"] == 300
+    prefork = celery_config(load_settings(redis_url=url, worker_pool="prefork"))
+    assert prefork["worker_concurrency"] is None
+    chosen = load_settings(redis_url=url, worker_pool="prefork", worker_concurrency=3)
+    assert celery_config(chosen)["worker_concurrency"] == 3

@@ -176,7 +176,11 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_publish_retry_policy": PUBLISH_RETRY_POLICY,
         "worker_prefetch_multiplier": 1,
         "worker_pool": settings.worker_pool,
-        "worker_concurrency": settings.worker_concurrency,
+        # prefork with the threads pool's 300 left unset (`sift worker` refuses it; `celery
+        # worker` run by hand forked 300 children): Celery's own default, a child a core
+        "worker_concurrency": settings.worker_concurrency
+        if settings.worker_pool == "threads" or "worker_concurrency" in settings.model_fields_set
+        else None,
         # cancelling means killing the job, which only prefork can do: the threads pool raises
         # NotImplementedError (kill_job) mid-reconnect. Its tasks keep running; their messages
         # stay unacked and come back after the visibility timeout if the worker dies.
