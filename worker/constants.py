@@ -119,6 +119,11 @@ WORKER_HEARTBEAT_KEY = REDIS_PREFIX + "worker-alive:"  # + worker id -> string w
 WORKERS_KEY = REDIS_PREFIX + "workers"  # set: worker ids beating, until found dead or stopped
 DELIVERY_OWNERS_KEY = REDIS_PREFIX + "deliveries"  # hash delivery tag -> worker id holding it
 LIVENESS_LEADER_KEY = REDIS_PREFIX + "liveness:leader"  # string: the worker checking this beat
+# the embedded backend's one data folder per Redis (worker/queue/data_folder.py): the folder id
+# and "host:path" of the folder the live workers serve, and who holds it (a zset: each worker
+# process beating, and a starting `sift worker`, -> when its hold lapses, ms on Redis's clock)
+DATA_FOLDER_KEY = REDIS_PREFIX + "data-folder"  # string "<folder id> <host>:<path>"
+DATA_FOLDER_HOLDERS_KEY = REDIS_PREFIX + "data-folder:holders"
 # string with the heartbeat's TTL, set at each beat of every worker that can send an economy
 # batch (a generation model, the batch queue consumed): that model, while one such worker lives
 ECONOMY_SENDER_KEY = REDIS_PREFIX + "economy-sender"

@@ -33,6 +33,7 @@ def test_a_worker_loads_its_model_at_start_with_no_job_sent(tmp_path: Path) -> N
     with redis_server(tmp_path / "redis") as url:
         env = {
             "SIFT_REDIS_URL": url + "/0",
+            "SIFT_DATA_DIR": str(tmp_path / "data"),  # both workers' (one Redis: one folder)
             "SIFT_MODEL_CACHE_DIR": str(models),
             "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1",
         }

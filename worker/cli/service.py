@@ -204,6 +204,8 @@ def worker(
 
     def wait_and_check() -> None:  # once /metrics is served: the orchestrator's startup probe
         _check_redis_at_start(settings, worker=True)
+        if not supervised_by:
+            _require_one_data_folder(settings)
 
     if count > 1:
         args = ["--queues", queues]
@@ -237,6 +239,39 @@ def _share_data_dir(settings: Settings) -> IO[str] | None:
         return share_data_dir(settings.data_dir.resolve())
     except SiftError as error:
         _stop(plain(error))
+
+
+def _require_one_data_folder(settings: Settings) -> None:
+    """Stop (exit 2, one line naming ``SIFT_DATA_DIR`` and the other folder) a worker on the
+    embedded backend whose Redis a live worker of another data folder holds
+    (:mod:`worker.queue.data_folder`): each took a share of the jobs, and every index was
+    split between the folders with each job ``succeeded``. Passing, it holds the Redis for
+    its folder until its processes' heartbeats do (the first beat of each drops this hold).
+    Elasticsearch: no folder, no check."""
+    if settings.search_backend != "embedded" or not settings.redis_url:
+        return
+    import redis
+
+    from worker.queue import data_folder
+    from worker.redis_client import START_CHECK_TIMEOUT_SECONDS, connect
+
+    folder = data_folder.DataFolder.of(settings.data_dir)
+    client = connect(settings.redis_url, socket_timeout=START_CHECK_TIMEOUT_SECONDS)
+    try:  # a Redis gone again since it answered is no refusal: the beats claim the folder
+        other = data_folder.claim(
+            client, folder, data_folder.start_holder(), settings.worker_dead_after_seconds
+        )
+    except redis.RedisError:
+        other = None
+    finally:
+        client.close()
+    if other is not None:
+        _stop(
+            f"SIFT_DATA_DIR ({plain(folder.where)}): a live worker on this Redis serves "
+            f"another data folder, {plain(other)}; every worker on one Redis must share one "
+            "SIFT_DATA_DIR on one host: give this one that folder, or stop that folder's "
+            "workers first (past one host, run on Elasticsearch)"
+        )
 
 
 def _stop(message: str, code: int = 2) -> NoReturn:

@@ -13,6 +13,9 @@ How. Each worker process (:class:`Liveness`, one thread):
   ``SIFT_WORKER_DEAD_AFTER_SECONDS``, refreshed every ``SIFT_WORKER_HEARTBEAT_SECONDS`` (on a
   Redis at its ``maxmemory`` too, :data:`BEAT_SCRIPT`), and its id in the ``sift:workers``
   set, so a check finds it dead even holding no delivery;
+- on the embedded backend, holds its data folder in Redis at each beat, with the
+  heartbeat's TTL, so no worker of another folder starts while it lives
+  (:mod:`worker.queue.data_folder`), and drops its hold at a clean stop;
 - records which deliveries it holds in the ``sift:deliveries`` hash (delivery tag ->
   worker id): a tag is added as the message is received (``task_received``), written within
   milliseconds, and dropped after its ack or reject (:class:`OwnedRequest`);
@@ -81,6 +84,7 @@ from worker.constants import (
     WORKERS_KEY,
 )
 from worker.observability import metrics
+from worker.queue import data_folder
 from worker.queue.reaper import Reaper, heartbeat_key
 
 log = logging.getLogger(__name__)
@@ -148,8 +152,13 @@ class Liveness:
         redrive_interval_seconds: float = 0.0,
         generation_model: str | None = None,
         consumed: Callable[[], Collection[str]] = tuple,
+        folder: data_folder.DataFolder | None = None,
     ) -> None:
         self.client = client
+        # the embedded data folder it serves, held in Redis by each beat (worker/queue/data_folder)
+        self.folder = folder
+        self._folder_refused = False
+        self._folder_held = False
         # with the batch queue among those consumed at a beat, it says it can send economy
         # batches: read at each beat, since an operator may cancel or add a queue at run time
         self.generation_model = generation_model
@@ -293,6 +302,8 @@ class Liveness:
             self.flush()
             self.client.delete(heartbeat_key(self.worker_id))
             self.client.srem(WORKERS_KEY, self.worker_id)  # a clean stop is no death
+            if self.folder is not None:
+                data_folder.release(self.client, self.folder, self.worker_id)
         except redis.RedisError as exc:
             log.warning("liveness: could not remove the heartbeat at shutdown: %s", exc)
 
@@ -317,8 +328,9 @@ class Liveness:
     def beat(self) -> None:
         """Refresh the heartbeat (and, on a worker that can send economy batches,
         :data:`~worker.constants.ECONOMY_SENDER_KEY`), re-assert the deliveries held (a write
-        lost to a Redis restart comes back), write what changed since the last flush, and
-        read Redis's clock again (this process's shared clock, :mod:`worker.clock`)."""
+        lost to a Redis restart comes back), write what changed since the last flush, hold
+        its data folder (:meth:`hold_folder`), and read Redis's clock again (this process's
+        shared clock, :mod:`worker.clock`)."""
         ttl_ms = int(self.dead_after_seconds * 1000)
         # the beat's time on the shared clock, which ``sift status`` reads its age against;
         # written on a full Redis too (BEAT_SCRIPT)
@@ -337,6 +349,28 @@ class Liveness:
             )
         self._beaten = True
         self.flush(reassert=True)
+        self.hold_folder()
+
+    def hold_folder(self) -> None:
+        """Renew this worker's hold of its data folder in Redis (:mod:`worker.queue.data_folder`),
+        which keeps workers of another folder from starting; at the first, drop the hold its
+        ``sift worker`` took as it started (this process, or its supervisor)."""
+        if self.folder is None:
+            return
+        other = data_folder.claim(self.client, self.folder, self.worker_id, self.dead_after_seconds)
+        if other is not None and not self._folder_refused:  # a flushed Redis, claimed meanwhile
+            log.error(
+                "liveness: a live worker on this Redis serves another data folder, %s: this "
+                "one's (%s) splits each index with it; every worker on one Redis must share "
+                "one SIFT_DATA_DIR",
+                other,
+                self.folder.where,
+            )
+        if other is None and not self._folder_held:  # its own start's, or its supervisor's
+            starts = {data_folder.start_holder(pid) for pid in (os.getpid(), os.getppid())}
+            data_folder.release(self.client, self.folder, *sorted(starts))
+        self._folder_refused = other is not None
+        self._folder_held = self._folder_held or other is None
 
     def economy_sender_model(self) -> str | None:
         """The model this worker sends economy batches with now (:func:`economy_model` of the
@@ -443,6 +477,11 @@ def start(
         redrive_interval_seconds=settings.redrive_interval_seconds,
         generation_model=settings.generation_model_id,
         consumed=consumed,
+        folder=(
+            data_folder.DataFolder.of(settings.data_dir)
+            if settings.search_backend == "embedded"
+            else None
+        ),
     )
     try:  # on the shared clock before the first task, and before a prefork child is forked
         for _ in range(FIRST_READINGS):  # the surest of a few kept: a busy start's are slow
