@@ -406,19 +406,21 @@ def test_sigterm_hands_back_the_items_waiting_for_the_rate_budget(
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
 def test_sigterm_hands_back_the_items_waiting_for_a_place_in_flight(
-    tmp_path: Path, shared: RecoveryStack
+    tmp_path: Path, shared: RecoveryStack, pool: str
 ) -> None:
     """SIGTERM while 2 items of a batch of 10 are in their model calls, which the model
     holds, and 8 wait for one of the process's places in flight (``SIFT_RERANK_MAX_IN_FLIGHT``
     at 2): the 8 stop waiting and go back ``queued`` before any place frees, unsent; once the
     model answers the 2, the worker exits cleanly, and another worker finishes the 8: every
     item sent to the model once, no run counted lost. The calls' timeout and the search
-    deadline are a minute here, so no place frees until the model answers. Before, that
-    wait asked nothing: the 8 waited until a place freed (at the defaults, until the held
-    calls timed out 20 s later), holding the stop, and were handed back only then."""
+    deadline are a minute here, so no place frees until the model answers. On ``--pool
+    prefork`` (one child) the SIGTERM reaches the child running the chunk, which holds the
+    items (Celery's warm shutdown tells a child nothing: the parent signals it)."""
     total, places = 10, 2
     soft_shutdown = Settings(_env_file=None).worker_soft_shutdown_seconds  # type: ignore[call-arg]
+    options: dict[str, Any] = {"pool": "prefork", "concurrency": 1} if pool == "prefork" else {}
     with FakeAnthropic() as model, recovery_stack(shared) as (url, env, client):
         env = {
             **env,
@@ -428,7 +430,7 @@ def test_sigterm_hands_back_the_items_waiting_for_a_place_in_flight(
             "SIFT_GENERATION_TIMEOUT_SECONDS": "60",
             "SIFT_SEARCH_DEADLINE_SECONDS": "60",
         }
-        with worker(tmp_path / "w", env, "a") as worker_a:
+        with worker(tmp_path / "w", env, "a", **options) as worker_a:
             ingest(client)
             model.configure(hold_unscripted=True)  # the calls in flight held, unanswered
             batch_id = submit(client, total)
@@ -448,53 +450,6 @@ def test_sigterm_hands_back_the_items_waiting_for_a_place_in_flight(
             code = worker_a.wait(3 * soft_shutdown)
         log = (tmp_path / "w" / "a.log").read_text(errors="replace")
         assert "not stopped" not in log and code == 0, (code, log[-2000:])
-        assert Counter(item_statuses(url, batch_id).values()) == Counter(
-            {"queued": total - places, "succeeded": places}
-        )
-        finished_once_by_another_worker(tmp_path, RecoveryStack(url, env, client), model,
-                                        batch_id, total)  # fmt: skip
-
-
-@pytest.mark.timeout(300)
-def test_sigterm_to_a_prefork_worker_hands_back_the_items_its_child_has_not_started(
-    tmp_path: Path, shared: RecoveryStack
-) -> None:
-    """The test above on ``sift worker --pool prefork`` (one child): SIGTERM to the worker
-    reaches the child running the chunk, whose 8 items waiting for a place go back
-    ``queued``, unsent, and the worker exits cleanly once the model answers the 2. Before,
-    Celery's warm shutdown told the child nothing: the hand-back ran in the parent, which
-    holds no item, the child started the 8 as places freed, and a stop outlasting its
-    deadline was cut at it (exit 3, its line blaming Redis)."""
-    total, places = 10, 2
-    soft_shutdown = Settings(_env_file=None).worker_soft_shutdown_seconds  # type: ignore[call-arg]
-    with FakeAnthropic() as model, recovery_stack(shared) as (url, env, client):
-        env = {
-            **env,
-            "ANTHROPIC_BASE_URL": model.url,
-            "SIFT_RERANK_MAX_IN_FLIGHT": str(places),
-            "SIFT_GENERATION_TIMEOUT_SECONDS": "60",
-            "SIFT_SEARCH_DEADLINE_SECONDS": "60",
-        }
-        with worker(tmp_path / "w", env, "a", pool="prefork", concurrency=1) as worker_a:
-            ingest(client)
-            model.configure(hold_unscripted=True)  # the calls in flight held, unanswered
-            batch_id = submit(client, total)
-            wait_for(lambda: model.counts()["received"] == places, "two calls at the model")
-            wait_for(
-                lambda: batch_counts(client, batch_id)["counts"]["running"] == total,
-                "every item started, 8 of them waiting for a place",
-            )
-            worker_a.send_signal(signal.SIGTERM)
-            wait_for(
-                lambda: Counter(item_statuses(url, batch_id).values())["queued"] == total - places,
-                "the items waiting for a place handed back",
-                30,
-            )
-            model.configure(hold_unscripted=False)  # the 2 calls answered
-            code = worker_a.wait(3 * soft_shutdown)
-        log = (tmp_path / "w" / "a.log").read_text(errors="replace")
-        assert "not stopped" not in log and code == 0, (code, log[-2000:])
-        assert model.counts()["received"] == places, model.counts()
         assert Counter(item_statuses(url, batch_id).values()) == Counter(
             {"queued": total - places, "succeeded": places}
         )
