@@ -388,6 +388,10 @@ def evaluate(
             if progress is not None:
                 progress(run.name, 1)
     report = score_runs(rankings, runs, qrels, queries, window)
+    # as the served sources report them: none failed, since a failed search stops the run
+    report["failed_by_run"] = dict.fromkeys(report["runs"], 0)
+    report["failed"] = 0
+    report["errors"] = {}
     report["rerank_fallbacks"] = dict(fallbacks.most_common())
     report["usage"] = usage_total
     report["missing"] = absent_queries(collection.queries, qrels)
