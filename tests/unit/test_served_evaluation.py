@@ -152,6 +152,8 @@ def test_the_table_shows_unknown_and_lower_bound_figures(tmp_path: Path) -> None
     said = " ".join(result.output.split())
     assert "–: unknown: reranked results without their trace" in said, said
     assert "candidate recall@30 (end-to-end): –; queries with a relevant candidate" in said
+    # the channels' recall at the window, from results holding 2 of their ranks: lower bounds
+    assert "candidate recall@30 by ranking: bm25 ≥1.000, knn ≥1.000" in said, said
 
 
 def test_the_judge_line_says_ndcg_uses_the_graded_scores() -> None:

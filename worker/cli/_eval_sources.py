@@ -226,9 +226,14 @@ def _print_report(report: dict[str, Any]) -> None:
     )
     by_ranking = recall.get("by_ranking") or {}
     if len(by_ranking) > 1:
+        # a lower bound where the results stop holding a run's ranks before the window
+        cut = {name for name, bounds in lower.items() if bounds}
+        cut = {name for name in cut if depth.get(name, recall["window"]) < recall["window"]}
         console.print(
             f"candidate recall@{recall['window']} by ranking: "
-            + ", ".join(f"{name} {_figure(value)}" for name, value in by_ranking.items())
+            + ", ".join(
+                f"{name} {_figure(value, name in cut)}" for name, value in by_ranking.items()
+            )
         )
     for name, versus in (report.get("fusion_vs_channels") or {}).items():
         compared = versus.get("queries", report["queries"])
