@@ -762,7 +762,8 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
             upper.endswith("_PORT") and _SERVICE_LINK.fullmatch(value)
         ):
             continue
-        close = difflib.get_close_matches(upper[5:], [k[5:] for k in known], n=1)
+        names = [name.upper() for name in Settings.model_fields]
+        close = difflib.get_close_matches(upper.removeprefix("SIFT_"), names, n=1)
         hint = f" (did you mean SIFT_{close[0]}?)" if close else ""
         problems.append(f"{name} is no setting{hint}")
     return problems

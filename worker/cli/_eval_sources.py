@@ -227,8 +227,10 @@ def _print_report(report: dict[str, Any]) -> None:
     by_ranking = recall.get("by_ranking") or {}
     if len(by_ranking) > 1:
         # a lower bound where the results stop holding a run's ranks before the window
-        cut = {name for name, bounds in lower.items() if bounds}
-        cut = {name for name in cut if depth.get(name, recall["window"]) < recall["window"]}
+        window = recall["window"]
+        cut = {
+            name for name, bounds in lower.items() if bounds and depth.get(name, window) < window
+        }
         console.print(
             f"candidate recall@{recall['window']} by ranking: "
             + ", ".join(
