@@ -23,6 +23,8 @@ COMMAND_MODULES = (
     "indexes",
     "listing",
     "service",
+    "data_upgrades",
+    "up",
     "status",
     "tenants",
 )

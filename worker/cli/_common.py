@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 from pydantic import ValidationError
@@ -29,6 +29,18 @@ EXIT_TERMINATED = 143  # 128 + SIGTERM: `sift ingest`, a wait for Redis, stopped
 # In the data folder of a running `sift up`: the URL of the Redis it uses, so `sift status`
 # finds it without SIFT_REDIS_URL (removed when the stack stops)
 STACK_REDIS_FILE = "redis-url"
+DEV_KEY_FILE = "dev-api-key.json"  # in the data folder: the development key and its secret
+# the option that sets each setting, where a server command (`sift up`, `gateway`, `worker`)
+# has one
+SETTING_OPTIONS = {
+    "gateway_port": "--port",
+    "worker_metrics_port": "--metrics-port",
+    "data_dir": "--data-dir",
+    "worker_concurrency": "--concurrency",
+    "worker_pool": "--pool",
+    "worker_processes": "--processes",
+    "log_level": "--loglevel",
+}
 
 
 class Signals:
@@ -74,22 +86,28 @@ def sigterm_as_ctrl_c() -> Iterator[Signals]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def cli_settings() -> Settings:
-    """The settings, or one red line naming the bad one and exit 2: a bad setting is a usage
-    error, for a client command as for ``sift worker`` and typer's own bad options."""
-    from worker.errors import ConfigError
+def cli_settings(*, options: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+    """The settings with ``overrides``, or one red line naming the bad one and exit 2: a bad
+    setting is a usage error, for a client command as for ``sift worker`` and typer's own bad
+    options. A bad override an option gave (``options``: each setting's option, such as
+    :data:`SETTING_OPTIONS`) is a usage error naming the option, not its variable."""
     from worker.settings import load_settings
 
     try:
-        return load_settings()
-    except ConfigError as exc:
-        bad_settings(exc)
+        return load_settings(**overrides)
+    except SiftError as error:
+        given = {field: name for field, name in (options or {}).items() if field in overrides}
+        if (named := option_error(error, given)) is not None:
+            raise named from None
+        stop(plain(error.message))
 
 
-def bad_settings(error: SiftError) -> NoReturn:
-    """End the command on a settings' ``error``: one red line naming it, exit 2."""
-    _err().print(f"[bold red]error:[/] {plain(error.message)}", soft_wrap=True)
-    raise typer.Exit(EXIT_USAGE) from None
+def stop(message: str, code: int = EXIT_USAGE) -> NoReturn:
+    """End the command with ``error: message`` on stderr, unwrapped (never cut mid-path), and
+    exit ``code``: 2 for what the user must change (a setting, an option), 1 for what
+    failed."""
+    _err().print(f"[bold red]error:[/] {message}", soft_wrap=True)
+    raise typer.Exit(code) from None
 
 
 def setting_help(help: str, variable: str) -> str:

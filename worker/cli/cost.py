@@ -43,8 +43,7 @@ from worker.cli._app import app
 from worker.cli._common import (
     EXIT_ERROR,
     _err,
-    bad_settings,
-    option_error,
+    cli_settings,
     setting_help,
     why_unwritable,
 )
@@ -65,7 +64,7 @@ from worker.constants import (
 from worker.core.cost import price_for
 from worker.errors import SiftError
 from worker.prices import DEFAULT_PRICES, Price
-from worker.settings import Settings, load_settings
+from worker.settings import Settings
 
 console = Console(emoji=False)
 
@@ -381,13 +380,7 @@ def _settings(option: str | None) -> Settings:
     as the setting is, and a bad one is a usage error naming it (exit 2), not a Prometheus
     that did not answer."""
     overrides = {} if option is None else {"prometheus_url": option}
-    try:
-        return load_settings(**overrides)
-    except SiftError as error:
-        given = {name: "--prometheus-url" for name in overrides}
-        if (named := option_error(error, given)) is not None:
-            raise named from None
-        bad_settings(error)
+    return cli_settings(options={"prometheus_url": "--prometheus-url"}, **overrides)
 
 
 @app.command("cost")

@@ -51,16 +51,15 @@ import re
 from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, cast
+from typing import Annotated, Any, cast
 
 import redis
 import typer
 from rich.table import Table
 
 from worker.cli._app import app
-from worker.cli._common import EXIT_ERROR, cli_settings, stack_redis_url
+from worker.cli._common import DEV_KEY_FILE, EXIT_ERROR, cli_settings, stack_redis_url, stop
 from worker.cli._output import cli_console, plain
-from worker.cli.service import DEV_KEY_FILE
 from worker.constants import (
     ECONOMY_DELETE_TASK,
     REWRITE_INTERVAL_SECONDS,
@@ -86,11 +85,6 @@ def _tenant_name(value: str) -> str:
     if not re.fullmatch(TENANT_PATTERN, value):
         raise typer.BadParameter(f"letters, digits, '_', '.' and '-' only, not {value!r}")
     return value
-
-
-def _stop(message: str) -> NoReturn:
-    cli_console(stderr=True).print(f"[bold red]error:[/] {message}", soft_wrap=True)
-    raise typer.Exit(EXIT_ERROR)
 
 
 def _drop_indexes(
@@ -177,11 +171,12 @@ def _cancel_provider_batches(settings: Settings, store: JobStore, jobs: TenantJo
         return 0
     client = build_batch_client(settings)
     if client is None:
-        _stop(
+        stop(
             f"{len(held)} provider batch(es) of the tenant's economy batches still run "
             f"({', '.join(p for _, p in held)}), and SIFT_GENERATION_MODEL is not set to cancel "
             "them with: set it (and the provider's key) as the workers have it, and run the "
-            "purge again (its jobs were canceled; nothing was erased)"
+            "purge again (its jobs were canceled; nothing was erased)",
+            EXIT_ERROR,
         )
     failed = []
     for batch_id, provider_id in held:
@@ -192,9 +187,10 @@ def _cancel_provider_batches(settings: Settings, store: JobStore, jobs: TenantJo
             continue
         cli_console().print(f"batch {batch_id}: provider batch {provider_id} canceled")
     if failed:
-        _stop(
+        stop(
             "the provider did not cancel " + "; ".join(failed) + ". Run the purge again to "
-            "cancel them and finish (its jobs were canceled; nothing was erased)"
+            "cancel them and finish (its jobs were canceled; nothing was erased)",
+            EXIT_ERROR,
         )
     return len(held)
 
@@ -276,27 +272,30 @@ def purge(
     try:
         keys = settings.all_api_keys()
     except ConfigError as exc:
-        _stop(plain(exc.message))
+        stop(plain(exc.message), EXIT_ERROR)
     url = settings.redis_url or stack_redis_url(settings.data_dir.resolve())
     if not url:
-        _stop("SIFT_REDIS_URL is not set, and no `sift up` stack runs on SIFT_DATA_DIR")
+        stop("SIFT_REDIS_URL is not set, and no `sift up` stack runs on SIFT_DATA_DIR", EXIT_ERROR)
     dev = None if settings.redis_url else _stack_dev_tenant(settings.data_dir.resolve())
     settings = settings.model_copy(update={"redis_url": url})
     if name == dev and not force:
-        _stop(
+        stop(
             f"tenant {name!r} still has a key: the `sift up` stack on SIFT_DATA_DIR serves it "
             f"with its development key ({settings.data_dir.resolve() / DEV_KEY_FILE}); stop "
-            "the stack and delete that file first (or pass --force)"
+            "the stack and delete that file first (or pass --force)",
+            EXIT_ERROR,
         )
     if any(key.tenant == name for key in keys) and not force:
-        _stop(
+        stop(
             f"tenant {name!r} still has a key in SIFT_API_KEYS / SIFT_API_KEYS_FILE: remove its "
-            "entries and restart the gateways and workers first (or pass --force)"
+            "entries and restart the gateways and workers first (or pass --force)",
+            EXIT_ERROR,
         )
     if settings.search_backend != "elasticsearch" and not _embedded_exists(settings.data_dir):
-        _stop(
+        stop(
             f"no embedded backend in {settings.data_dir.resolve()}: set SIFT_DATA_DIR to the "
-            "workers' data folder (nothing was erased)"
+            "workers' data folder (nothing was erased)",
+            EXIT_ERROR,
         )
     if not yes:
         typer.confirm(
@@ -319,7 +318,7 @@ def purge(
         if rewrite in (Rewrite.LATCHED, Rewrite.BUSY):
             _schedule_rewrite(settings, client)
     except (redis.RedisError, OSError, SiftError) as exc:
-        _stop(f"purge of {name!r} stopped (run it again to finish): {plain(exc)}")
+        stop(f"purge of {name!r} stopped (run it again to finish): {plain(exc)}", EXIT_ERROR)
     finally:
         store.close()
     _show(name, canceled, dropped, deleted)

@@ -625,7 +625,7 @@ RESTART_MAX_DELAY_SECONDS = 30.0
 # a process that stayed up this long before exiting is restarted after the first delay again
 RESTART_RESET_AFTER_SECONDS = 60.0
 # The exit status of a ``sift`` command that refused to start (a bad setting, a Redis it must
-# not run on: ``_stop`` in worker/cli/service.py), which no restart changes
+# not run on: ``stop`` in worker/cli/_common.py), which no restart changes
 REFUSED_STATUS = 2
 
 
