@@ -22,7 +22,7 @@ from tests.services import celery_worker, redis_server
 from worker.adapters.embedded import DB_FILE, EmbeddedBackend
 from worker.cli import app
 from worker.core.types import Document
-from worker.processes.stack import claim_data_dir, exclude_workers
+from worker.processes.folder_locks import claim_data_dir, exclude_workers
 
 pytestmark = pytest.mark.integration
 

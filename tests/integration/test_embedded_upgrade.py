@@ -20,7 +20,7 @@ from typer.testing import CliRunner, Result
 from worker.adapters.embedded import DB_FILE, EmbeddedBackend, _schema
 from worker.core.types import ChannelQuery, Document, HardFilters
 from worker.errors import ConfigError
-from worker.processes.stack import share_data_dir
+from worker.processes.folder_locks import share_data_dir
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typer.testing import CliRunner, Result
 
 from worker.cli import app
-from worker.processes.stack import claim_data_dir
+from worker.processes.folder_locks import claim_data_dir
 
 
 def _closed_port() -> int:

@@ -1,7 +1,7 @@
-"""``sift up``'s supervisor (:class:`worker.processes.stack.Supervisor`) over a real process that
-exits at once: it is started again after 1 s, then 2 s, then 4 s (a crash loop does not spin), each
-exit and restart is said on the console and in the process's log, and a process that stayed
-up a minute starts again after 1 s."""
+"""``sift up``'s supervisor (:class:`~worker.processes.supervisor.Supervisor`) over a real process
+that exits at once: it is started again after 1 s, then 2 s, then 4 s (a crash loop does not
+spin), each exit and restart is said on the console and in the process's log, and a process that
+stayed up a minute starts again after 1 s."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from worker.processes.stack import RESTART_RESET_AFTER_SECONDS, Service, Supervisor, _Watched
+from worker.processes.stack import Service
+from worker.processes.supervisor import RESTART_RESET_AFTER_SECONDS, Supervisor, _Watched
 
 
 def _crasher(tmp_path: Path) -> Service:

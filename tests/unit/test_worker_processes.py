@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 
 from worker.processes.machine import cpu_count
-from worker.processes.stack import Service, Supervisor
+from worker.processes.stack import Service
+from worker.processes.supervisor import Supervisor
 from worker.processes.workers import resolve_processes
 from worker.settings import Settings
 

@@ -13,10 +13,7 @@ from worker.cli._app import app
 from worker.cli._common import cli_settings, stop
 from worker.cli._output import plain
 from worker.errors import SiftError
-from worker.processes.stack import (
-    exclude_workers,
-    holds_data_dir,
-)
+from worker.processes.folder_locks import exclude_workers, holds_data_dir
 
 console = Console(emoji=False)
 errors = Console(emoji=False, stderr=True)

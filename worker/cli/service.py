@@ -22,9 +22,7 @@ from worker.cli._output import plain
 from worker.cli._redis_checks import check_redis_at_start, redis_answers, require_redis
 from worker.constants import ALL_QUEUES
 from worker.errors import ConfigError, SiftError
-from worker.processes.stack import (
-    share_data_dir,
-)
+from worker.processes.folder_locks import share_data_dir
 from worker.processes.workers import (
     exit_by_deadline,
     follow_supervisor,

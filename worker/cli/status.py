@@ -59,7 +59,7 @@ from worker.constants import (
     WORKER_HEARTBEAT_KEY,
     kombu_queue_keys,
 )
-from worker.processes.stack import holds_data_dir
+from worker.processes.folder_locks import holds_data_dir
 from worker.queue.jobstore import JobStore
 from worker.redis_client import CONNECTION_OPTIONS
 

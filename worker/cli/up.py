@@ -37,15 +37,14 @@ from worker.cli._common import (
 from worker.cli._output import plain, print_result, sample_path
 from worker.cli._redis_checks import check_redis_at_start
 from worker.errors import ConfigError, SiftError
+from worker.processes.folder_locks import claim_data_dir
 from worker.processes.stack import (
     Service,
     StartInterrupted,
     StartRefused,
-    Supervisor,
     adopt_logs,
     check_port_free,
     child_env,
-    claim_data_dir,
     free_port,
     gateway_service,
     redis_service,
@@ -54,6 +53,7 @@ from worker.processes.stack import (
     sift_command,
     worker_service,
 )
+from worker.processes.supervisor import Supervisor
 from worker.processes.workers import (
     supervisor_stop_deadline,
 )
@@ -99,7 +99,7 @@ def local_stack(
 
     It first claims the data folder (a lock file in it) and checks the two ports: another
     stack's are refused before anything is started or any log opened. With ``report``, a
-    process that exits is started again (:class:`~worker.processes.stack.Supervisor`) and each
+    process that exits is started again (:class:`~worker.processes.supervisor.Supervisor`) and each
     restart is reported through it, but one that refused to start (exit 2) is left down and
     ``on_refused`` called with it, to stop the stack. Once ``cancel`` is set, a wait for a
     process to be ready raises :class:`~worker.processes.stack.StartInterrupted` (what was

@@ -8,19 +8,17 @@ and is stopped (SIGTERM, then SIGKILL) when its context ends.
         with worker_process(dir, env), gateway_process(dir, env) as url:
             ...
 
-``sift up`` also keeps them running (:class:`Supervisor`: a process that exits is started
-again, after a back-off) and refuses to start over another stack's ports or data folder
-(:func:`claim_data_dir`, :func:`check_port_free`).
+``sift up`` also keeps them running (:class:`~worker.processes.supervisor.Supervisor`: a
+process that exits is started again, after a back-off) and refuses to start over another
+stack's ports (:func:`check_port_free`) or data folder
+(:func:`~worker.processes.folder_locks.claim_data_dir`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno
-import fcntl
 import itertools
-import logging
 import os
 import random
 import shutil
@@ -28,22 +26,20 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 import redis
 
 from worker.errors import ConfigError
 
-logger = logging.getLogger(__name__)
-
 READY_TIMEOUT_SECONDS = 60.0
-
+# The exit status of a ``sift`` command that refused to start (a bad setting, a Redis it must
+# not run on: ``stop`` in worker/cli/_common.py), which no restart changes
+REFUSED_STATUS = 2
 
 FREE_PORTS_FROM = 20000  # above most services' well-known ports
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -620,297 +616,8 @@ def _lost_its_port(service: Service) -> bool:
     return exited and port is not None and not _bindable(port)
 
 
-RESTART_FIRST_DELAY_SECONDS = 1.0
-RESTART_MAX_DELAY_SECONDS = 30.0
-# a process that stayed up this long before exiting is restarted after the first delay again
-RESTART_RESET_AFTER_SECONDS = 60.0
-# The exit status of a ``sift`` command that refused to start (a bad setting, a Redis it must
-# not run on: ``stop`` in worker/cli/_common.py), which no restart changes
-REFUSED_STATUS = 2
-
-
-@dataclass
-class _Watched:
-    service: Service
-    failures: int = 0  # exits in a row, each within RESTART_RESET_AFTER_SECONDS of its start
-    restart_at: float | None = None  # when the exited process is started again
-    rotation_failed: bool = False  # its log's rotation failed, said, and has not worked since
-
-
-@dataclass
-class Supervisor:
-    """Starts again a stack process that exits while the stack runs (``sift up``).
-
-    Any exit counts: the stack was not stopping, and Celery even exits with status 0 on an
-    "Unrecoverable error". Each restart waits a back-off, 1 s doubling to 30 s, so a crash
-    loop does not spin; a process that stayed up a minute starts the count again. Every exit
-    and restart is one line in the process's own log and one through ``report`` (the console).
-    A restarted process is not waited for: a worker restarted while Redis is down connects
-    once Redis is back. Each check also rotates a process's log past ``log_max_bytes``,
-    keeping ``log_keep`` rotated ones (:func:`rotate_log`): appended to on every run and
-    restart, they grew without bound. A rotation that fails (a full disk) is said once, until
-    one works again, and never keeps a process from its restart."""
-
-    report: Callable[[str], None]
-    poll_seconds: float = 0.5
-    log_max_bytes: int = LOG_MAX_BYTES
-    log_keep: int = LOG_KEEP
-    # called once with a service whose process just exited (its ``proc`` still the dead one)
-    on_exit: Callable[[Service], None] | None = None
-    # called with a service whose process was just started again
-    on_restart: Callable[[Service], None] | None = None
-    # called once with a service whose process refused to start (exit REFUSED_STATUS): it is
-    # not started again, and the caller stops the others; None restarts it as any exit
-    on_refused: Callable[[Service], None] | None = None
-    _watched: list[_Watched] = field(default_factory=list)
-    _stopping: threading.Event = field(default_factory=threading.Event)
-    _closed: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
-
-    def watch(self, service: Service) -> None:
-        self._watched.append(_Watched(service))
-
-    def start(self) -> None:
-        """Start watching, on a thread of its own: the one that starts the processes it
-        restarts, so it lives until :meth:`close`, for a process that follows its parent
-        (``Service.follow``: SIGTERM when the thread that started it ends)."""
-        self._thread = threading.Thread(target=self._run, name="sift-supervisor", daemon=True)
-        self._thread.start()
-
-    def __enter__(self) -> Supervisor:
-        self.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        """Stop watching: the processes are stopped by their own contexts after this."""
-        self.close()
-
-    def stop_watching(self) -> None:
-        """From now on an exit is expected (safe in a signal handler: Ctrl-C reaches the
-        whole process group, and the processes exit on their own)."""
-        self._stopping.set()
-
-    def close(self) -> None:
-        """Stop watching, and end the thread (for ``sift up``: once the processes it
-        restarted, which follow the thread, have stopped)."""
-        self._stopping.set()
-        self._closed.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-
-    def note_exits(self) -> None:
-        """Say each exit not seen yet, as a look would (its line and ``on_exit``), without a
-        restart: for a stop, once the thread is joined. A process that died since the last
-        look (up to :attr:`poll_seconds` before) was left out of the stop without a word."""
-        for watched in self._watched:
-            service, proc = watched.service, watched.service.proc
-            if watched.restart_at is None and proc is not None and proc.poll() is not None:
-                self._hook(self.on_exit, service)
-                self._say(service, f"{service.name} exited with status {proc.returncode}")
-
-    def _run(self) -> None:
-        while not self._closed.wait(self.poll_seconds):
-            for watched in self._watched:
-                self._check_or_log(watched)
-
-    def _check_or_log(self, watched: _Watched) -> None:
-        """Check one process, logging what fails: the thread must outlive any failure, for it
-        is the one that restarts every process, and the processes it restarted receive
-        SIGTERM when it ends (``Service.follow``, a worker process's ``--supervised-by``)."""
-        try:
-            self._check(watched, time.monotonic())
-        except Exception:
-            logger.exception("supervisor: checking %s failed; going on", watched.service.name)
-
-    def _hook(self, hook: Callable[[Service], None] | None, service: Service) -> None:
-        """Call ``hook`` (``on_exit``, ``on_restart``), logging what it raises: the exit or
-        restart is handled all the same."""
-        if hook is None:
-            return
-        try:
-            hook(service)
-        except Exception:
-            logger.exception("supervisor: a hook failed for %s; going on", service.name)
-
-    def _check(self, watched: _Watched, now: float) -> None:
-        """One look at one process: its exit or restart first, then its log's rotation. The
-        other way round, a log that could not be rotated (a full disk) raised before the
-        exit was seen, at every check: the process stayed down until there was room."""
-        self._restart(watched, now)
-        self._rotate(watched)
-
-    def _rotate(self, watched: _Watched) -> None:
-        """Rotate the process's log, saying once that it cannot (until it can again): the
-        log then grows past its size, which beats stopping the process or a line a tick."""
-        service = watched.service
-        try:
-            service.rotate_log(self.log_max_bytes, self.log_keep)
-        except OSError as exc:
-            if not watched.rotation_failed:
-                watched.rotation_failed = True
-                why = exc.strerror or exc
-                self._say(service, f"{service.name}'s log could not be rotated ({why}); "
-                                   "it grows until it can be")  # fmt: skip
-            return
-        watched.rotation_failed = False
-
-    def _restart(self, watched: _Watched, now: float) -> None:
-        """Note the process's exit and its back-off, or start it again once that is over."""
-        service = watched.service
-        if service.proc is None or service.proc.poll() is None or self._stopping.is_set():
-            return
-        if watched.restart_at is None:  # it just exited
-            self._hook(self.on_exit, service)
-            if service.proc.returncode == REFUSED_STATUS and self.on_refused is not None:
-                self._refused(watched)
-                return
-            if now - service.started_at >= RESTART_RESET_AFTER_SECONDS:
-                watched.failures = 0
-            delay = min(
-                RESTART_FIRST_DELAY_SECONDS * 2**watched.failures, RESTART_MAX_DELAY_SECONDS
-            )
-            watched.failures += 1
-            watched.restart_at = now + delay
-            self._say(service, f"{service.name} exited with status {service.proc.returncode}; "
-                               f"restarting it in {delay:g} s")  # fmt: skip
-        elif now >= watched.restart_at:
-            watched.restart_at = None
-            try:
-                proc = service.start()
-            except OSError as exc:  # cannot even start it: counts as one more exit
-                service.started_at = now
-                self._say(service, f"{service.name} could not be started: {exc}")
-                return
-            self._say(service, f"{service.name} restarted (pid {proc.pid})")
-            self._hook(self.on_restart, service)
-
-    def _refused(self, watched: _Watched) -> None:
-        """A process exited as a ``sift`` command that refuses to start does (exit 2, its
-        reason on one ``error:`` line): what it refused (a setting, the API keys file, its
-        Redis) does not change by itself, and it was started again after each back-off for as
-        long as the supervisor ran. It is left down, said with its reason, and the caller told
-        (``on_refused``), which stops the rest."""
-        service = watched.service
-        watched.restart_at = float("inf")  # never: the caller stops every process
-        why = service.refusal() or "its error line above"
-        self._say(service, f"{service.name} refused to start (exit status {REFUSED_STATUS}: "
-                           f"{why}); a restart would not change it: stopping")  # fmt: skip
-        self._hook(self.on_refused, service)
-
-    def _say(self, service: Service, message: str) -> None:
-        if service.log is not None:
-            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-            with contextlib.suppress(OSError), open(service.log, "a") as log:
-                log.write(f"{stamp} sift up: {message}\n")
-        self.report(message)
-
-
-LOCK_FILE = "sift-up.lock"
-# the folders a stack makes in its data folder: its logs, Redis's AOF, the metrics' files
-STACK_FOLDERS = ("logs", "redis", "metrics")
-
-
 class StackInUse(ConfigError):
     """Another stack holds a port or the data folder this one needs."""
-
-
-def claim_data_dir(data_dir: Path, description: str) -> IO[str]:
-    """Lock ``data_dir`` for this stack (``flock`` on a file in it), or raise
-    :class:`StackInUse` naming the folder and the stack that holds it (a folder that cannot be
-    made or written, or one of its :data:`STACK_FOLDERS`: :class:`ConfigError` naming it and
-    ``--data-dir``).
-
-    The lock lasts as long as the returned file stays open, and ends with this process
-    (the children do not inherit it), however it ends. ``description`` (pid, ports) is
-    written into the file for the next stack's message."""
-    try:
-        data_dir.mkdir(parents=True, exist_ok=True)
-        lock = open(data_dir / LOCK_FILE, "a+")  # noqa: SIM115 (held open: it is the lock)
-    except OSError as exc:
-        raise ConfigError(
-            f"the data folder {data_dir} cannot be used ({exc.strerror or exc}): "
-            "give a folder this user can write: --data-dir (SIFT_DATA_DIR)"
-        ) from exc
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        lock.seek(0)
-        holder = lock.read().strip() or "another process"
-        lock.close()
-        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise
-        raise StackInUse(
-            f"the data folder {data_dir} is in use by another stack ({holder}); "
-            "stop it, or give this one its own: --data-dir (SIFT_DATA_DIR)"
-        ) from exc
-    for name in STACK_FOLDERS:  # made by the stack once started: a traceback there
-        try:
-            (data_dir / name).mkdir(exist_ok=True)
-            tempfile.TemporaryFile(dir=data_dir / name).close()
-        except OSError as exc:
-            lock.close()
-            raise ConfigError(
-                f"the data folder {data_dir} cannot be used ({name}/: {exc.strerror or exc}): "
-                "give a folder this user can write: --data-dir (SIFT_DATA_DIR)"
-            ) from exc
-    lock.truncate(0)
-    lock.write(description + "\n")
-    lock.flush()
-    return lock
-
-
-def holds_data_dir(data_dir: Path) -> bool:
-    """Whether a running stack holds ``data_dir`` (:func:`claim_data_dir`'s lock), probed with
-    a shared lock taken and let go at once; a folder with no lock file is held by none."""
-    try:
-        with open(data_dir / LOCK_FILE) as lock:
-            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    except FileNotFoundError:
-        return False
-    except OSError as exc:
-        return exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
-    return False
-
-
-#: Held by each ``sift worker`` on the embedded backend's data folder (a shared lock, one per
-#: worker), and by ``sift embedded-downgrade`` alone (an exclusive one) while it runs.
-WORKERS_LOCK_FILE = "sift-workers.lock"
-
-
-def _workers_lock(data_dir: Path, mode: int) -> IO[str] | None:
-    """``flock`` ``mode`` (not waiting) on ``data_dir``'s :data:`WORKERS_LOCK_FILE`: the open
-    file, which holds the lock while it stays open, or None if another holds one that excludes
-    it. Not inherited by a child the process starts (Python's files close on exec)."""
-    lock = open(data_dir / WORKERS_LOCK_FILE, "a+")  # noqa: SIM115 (held open: it is the lock)
-    try:
-        fcntl.flock(lock, mode | fcntl.LOCK_NB)
-    except OSError as exc:
-        lock.close()
-        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise
-        return None
-    return lock
-
-
-def share_data_dir(data_dir: Path) -> IO[str]:
-    """A ``sift worker``'s share of the embedded backend's ``data_dir``, for as long as the
-    returned file stays open (the process's life): ``sift embedded-downgrade`` refuses the
-    folder while any worker holds one (:func:`exclude_workers`), on this host, which is the
-    only one a SQLite file is shared from. :class:`StackInUse` while a downgrade runs."""
-    lock = _workers_lock(data_dir, fcntl.LOCK_SH)
-    if lock is None:
-        raise StackInUse(
-            f"the data folder {data_dir} is being downgraded (`sift embedded-downgrade`): "
-            "start the workers of the release it downgrades for, once it ends"
-        )
-    return lock
-
-
-def exclude_workers(data_dir: Path) -> IO[str] | None:
-    """``data_dir`` kept from every ``sift worker`` while the returned file stays open (none
-    can start), or None if a running one shares it (:func:`share_data_dir`)."""
-    return _workers_lock(data_dir, fcntl.LOCK_EX)
 
 
 def check_port_free(port: int, what: str, option: str, host: str = "127.0.0.1") -> None:

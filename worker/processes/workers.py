@@ -6,7 +6,7 @@ One Celery threads-pool process is bound by the GIL to about one core, so by def
 The supervisor (this process):
 
 - starts each child again when it exits, after a back-off, with a line on stderr
-  (:class:`worker.processes.stack.Supervisor`, the one ``sift up`` uses), but for a child that
+  (:class:`worker.processes.supervisor.Supervisor`, the one ``sift up`` uses), but for a child that
   refused to start (exit 2, its reason on its ``error:`` line: an API keys file broken since,
   say), which no restart changes: it stops them all and exits 2 too, where it started that
   child again after each back-off for as long as it ran;
@@ -49,11 +49,11 @@ from worker.processes.machine import cpu_count
 from worker.processes.stack import (
     REFUSED_STATUS,
     Service,
-    Supervisor,
     child_env,
     parent_death_signal,
     sift_command,
 )
+from worker.processes.supervisor import Supervisor
 from worker.settings import Settings
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
