@@ -77,7 +77,7 @@ def inner(searches: int) -> None:
     from worker.queue.base import count_completed, settle_heap
     from worker.queue.items import CancelMarks
     from worker.queue.jobstore import JobStore
-    from worker.queue.tasks import _ModelCheck
+    from worker.queue.tasks.batches import _ModelCheck
     from worker.runtime.inprocess import build_runtime
     from worker.runtime.ratelimit import LimitedReranker, ProviderLimiter
     from worker.settings import load_settings

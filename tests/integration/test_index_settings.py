@@ -685,10 +685,10 @@ def test_an_answer_the_worker_cannot_send_is_logged(
     monkeypatch.setattr(store, "reply", down)
     _worker_context(runtime, store, redis_url, monkeypatch)
     try:
-        with caplog.at_level("WARNING", logger="worker.queue.tasks"):
+        with caplog.at_level("WARNING", logger="worker.queue.tasks.index_reads"):
             result = tasks.index_read.apply(args=["reply-lost", "show", "acme", "docs", ""])
     finally:
         base.set_context(None)
     assert result.successful(), result.traceback
-    said = [r.getMessage() for r in caplog.records if r.name == "worker.queue.tasks"]
+    said = [r.getMessage() for r in caplog.records if r.name == "worker.queue.tasks.index_reads"]
     assert any("reply-lost" in m and "could not be sent" in m for m in said), said

@@ -61,7 +61,7 @@ def _accept(store: JobStore, index: str, ops: list[tuple[str, list[str]]]) -> li
 
 
 def _run(backend: EmbeddedBackend, store: JobStore, job: IngestJob) -> None:
-    """What the ingest task does with one job (``worker/queue/tasks.py``, ``_ingest``), on a
+    """What the ingest task does with one job (``worker/queue/tasks/ingests.py``, ``_ingest``), on a
     worker: the same calls, on the worker's own ``Runtime`` over this backend."""
     runtime = Runtime(SearchPipeline(backend, EMBEDDER, config=PipelineConfig()))
     if job.operation == "upsert":

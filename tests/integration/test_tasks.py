@@ -28,6 +28,7 @@ from worker.queue import base, liveness, tasks, webhook_task
 from worker.queue.economy import is_prepared
 from worker.queue.intake import INTAKE
 from worker.queue.jobstore import BatchJob, CancelOutcome, JobStore, RunClaim, SearchJob
+from worker.queue.tasks import batches
 from worker.runtime.bootstrap import build_pipeline
 from worker.runtime.inprocess import Runtime
 from worker.runtime.ratelimit import ProviderLimiter
@@ -839,7 +840,7 @@ def test_an_economy_item_whose_first_half_the_job_store_cannot_keep_is_not_faile
     item whose claim cannot be taken: the item stays running for a redelivery (the
     re-drive), which prepares it again, keeps it, and its submission goes."""
     submitted: list[str] = []
-    monkeypatch.setattr(tasks, "maybe_submit", lambda task, batch_id: submitted.append(batch_id))
+    monkeypatch.setattr(batches, "maybe_submit", lambda task, batch_id: submitted.append(batch_id))
     store, batch = _one_item_economy_batch(context)
 
     def down(*args: Any, **kwargs: Any) -> Any:
@@ -870,7 +871,7 @@ def test_an_economy_chunk_whose_last_first_half_was_kept_unheard_still_enqueues_
     to prepare (none: ``pending_positions`` is empty), and a submission never enqueued has
     no watch. The batch stayed ``running`` for good, its item prepared and never sent."""
     submitted: list[str] = []
-    monkeypatch.setattr(tasks, "maybe_submit", lambda task, batch_id: submitted.append(batch_id))
+    monkeypatch.setattr(batches, "maybe_submit", lambda task, batch_id: submitted.append(batch_id))
     store, batch = _one_item_economy_batch(context)
     save = store.economy_save_prepared
 
@@ -1129,7 +1130,7 @@ def test_a_chunk_copy_leaves_an_economy_item_whose_first_half_was_kept(
     there) it canceled the item, so a request the provider had processed, and billed, found
     its item final: its result refused, the batch completed ``canceled`` by a copy."""
 
-    monkeypatch.setattr(tasks, "maybe_submit", lambda *args: None)  # nothing to submit
+    monkeypatch.setattr(batches, "maybe_submit", lambda *args: None)  # nothing to submit
     store = context.store
     runtime = ScriptedRuntime()
     context._runtime = runtime
@@ -1156,7 +1157,7 @@ def test_a_poisoned_economy_chunk_leaves_an_item_whose_first_half_was_kept(
     queued (here q2), and those, once prepared, were never sent: running for good."""
 
     submitted: list[str] = []
-    monkeypatch.setattr(tasks, "maybe_submit", lambda task, batch_id: submitted.append(batch_id))
+    monkeypatch.setattr(batches, "maybe_submit", lambda task, batch_id: submitted.append(batch_id))
     store = context.store
     runtime = ScriptedRuntime()
     context._runtime = runtime
@@ -1741,7 +1742,7 @@ def test_a_batch_item_s_retrieval_figures_are_counted_once_a_run_when_its_retry_
     runtime.ingest("docs", "acme", [DocumentIn(id="1", text="green tea leaves")])
     context._runtime = runtime
     store = context.store
-    monkeypatch.setattr(tasks, "maybe_submit", lambda *args: None)  # nothing to submit
+    monkeypatch.setattr(batches, "maybe_submit", lambda *args: None)  # nothing to submit
     spec = SearchSpec(index="docs", query="green tea", mode="fts")  # final with no model call
     batch = store.create_batch("acme", "docs", [("q0", spec)], lane=lane)
     backend.fail_next = 3  # the first run's three retrieval attempts

@@ -1,18 +1,8 @@
-"""Sift's Celery tasks: one search, one chunk of a batch, a batch cancel's count, one ingest
-(an upsert, a delete or a drop), one index read or settings change. The webhook delivery is
-:mod:`worker.queue.webhook_task`'s, the economy lane's tasks are :mod:`worker.queue.economy`'s.
-
-Every task takes JSON ids, is idempotent (the job store's compare-and-set makes a
-redelivered task a no-op for anything already final), and inherits
-:class:`~worker.queue.base.SiftTask`, which times it, counts deliveries so a poison message is
-failed instead of looping, and owns the retry decision: only errors marked
-``retryable`` are retried, at most ``SIFT_TASK_MAX_RETRIES`` times, with
-exponential backoff and jitter.
-"""
+"""The batch tasks: one chunk of a batch's items, run under the chunk's claim (each item's
+search, or an economy item's first half), and a batch cancel's count."""
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -26,22 +16,12 @@ from worker.constants import (
     BATCH_CHUNK_TASK,
     BATCH_QUEUE,
     CANCEL_COUNT_TASK,
-    ERROR_JOB_STORE_FULL,
-    ERROR_UNAVAILABLE,
-    INDEX_READ_TASK,
-    INGEST_QUEUE,
-    INGEST_TASK,
     LANE_ECONOMY,
-    SEARCH_QUEUE,
-    SEARCH_TASK,
-    WEBHOOK_EVENT_SEARCH_COMPLETED,
 )
-from worker.contract import ErrorInfo, SearchResult, Usage
-from worker.core.budget import MIN_ATTEMPT_SECONDS
-from worker.core.pipeline import load_run
+from worker.contract import ErrorInfo, Usage
 from worker.errors import Canceled, HandedBack, RunTakenOver, SiftError, TenantRemoved
 from worker.observability import metrics
-from worker.queue import lifecycle, liveness
+from worker.queue import liveness
 from worker.queue.base import SiftTask, count_completed, error_info
 from worker.queue.config import time_limits
 from worker.queue.economy import economy_pipeline, is_prepared, maybe_submit, save_prepared
@@ -50,205 +30,24 @@ from worker.queue.jobstore import (
     BatchItem,
     BatchJob,
     ClaimAnswers,
-    IngestJob,
     ItemTransition,
     JobStore,
     RunClaim,
-    SearchJob,
     settle_outage,
 )
-from worker.redis_client import CANNOT_PERSIST, cannot_persist, unreachable
+from worker.queue.tasks._runs import (
+    billed_error,
+    kept_usage,
+    poison_error,
+    retry_fits,
+    unbilled,
+    unpace_runtime,
+    with_failed_queue_wait,
+    with_queue_wait,
+)
+from worker.redis_client import unreachable
 
 log = logging.getLogger(__name__)
-
-
-def _poison_error(task: SiftTask) -> ErrorInfo:
-    limit = task.context.settings.task_max_deliveries
-    return ErrorInfo(
-        type="delivery_limit_exceeded",
-        message=f"the worker running this job was lost {limit} times; giving up",
-    )
-
-
-@shared_task(  # type: ignore[untyped-decorator]
-    name=SEARCH_TASK, base=SiftTask, bind=True
-)
-def search(self: SiftTask, job_id: str) -> None:
-    """Run one search job and store its result or typed error."""
-    store = self.context.store
-    job = store.get_search(job_id)
-    if job is None or job.status.final:
-        log.info("search %s: nothing to do (%s)", job_id, "missing" if job is None else "final")
-        if job is not None and job.webhook_url and store.webhook_unattempted(job_id):
-            # a redelivery: the worker that finished it may have died before enqueueing the
-            # webhook. Send it again; the webhook-id is the same, delivery is at least once,
-            # and if the first is on its way this copy waits for its claim of the attempt
-            self.send_webhook(
-                WEBHOOK_EVENT_SEARCH_COMPLETED,
-                job_id,
-                job.tenant,
-                job.webhook_url,
-                job.status.value,
-            )
-        return
-    deadline = self.context.settings.search_deadline_seconds
-    # claimed first, as an ingest is: a copy delivered while another live run holds the
-    # search (kombu's restore at a broker reconnect, a re-drive) writes nothing, not even its
-    # start, and is no poison (its worker is not lost): counted, a copy at the limit failed
-    # the search under the live run, whose result was then refused
-    claim = store.claim_search(job_id, liveness.run_owner(), lease_seconds=deadline)
-    if not claim.granted:  # another delivery is running it (jobstore/runs.py)
-        log.info("search %s: another run holds it; this delivery leaves it", job_id)
-        return  # before its start: its record's started_at and status are that run's
-    answers = store.search_answers(job_id, claim)
-    try:
-        finished = _search(self, job, claim, answers)
-    except redis.RedisError as exc:
-        # the job store (Redis) failed, not the search: it stays running for its redelivery
-        # (the re-drive), and its claim stays in Redis as it is, this run ended here alone
-        # (not let go: that would charge the outage to the search's one deadline). The copy
-        # takes the claim over uncharged, at once on this worker and past its lease on
-        # another, and finishes on the model's answer kept in it, if there is one. Redis
-        # unreachable, once it answers the answer this run holds unkept is kept, and the
-        # outage noted: that re-drive is not counted
-        try:
-            if unreachable(exc):
-                settle_outage(store, job_id, [0], [answers], delivery=self.delivered())
-        finally:
-            store.ended_search(job_id, claim)
-        raise
-    else:  # after the finish: a run that starts meanwhile finds the search final
-        # (a retry let go before it was sent: this release then finds nothing to do)
-        store.release_search(job_id, claim)
-    if finished:
-        final = store.get_search_status(job_id)
-        log.info("search %s: %s", job_id, final)
-        if job.webhook_url and final is not None:
-            self.send_webhook(
-                WEBHOOK_EVENT_SEARCH_COMPLETED, job_id, job.tenant, job.webhook_url, final.value
-            )
-
-
-def _search(task: SiftTask, job: SearchJob, claim: RunClaim, answers: ClaimAnswers) -> bool:
-    """Run the search ``job`` under its run ``claim`` (``answers``: where it keeps its model's
-    answer); answers whether this run finished it."""
-    store, job_id = task.context.store, job.id
-    if task.poisoned(job_id=job_id):  # with the usage of a model answer a dead run kept: billed
-        poison = _billed(_poison_error(task), claim.answer)
-        return count_completed("search", store.finish_search(job_id, error=poison), poison)
-    if not store.start_search(job_id):  # final meanwhile (or gone)
-        return False
-    if job.started_at is None and not claim.spent:
-        # its first run (the record read before the claim may predate a run that has
-        # started, been retried and let go: that run counted the wait)
-        metrics.observe_queue_wait(SEARCH_QUEUE, clock.now() - job.created_at)
-    log.info("search %s: running for tenant %s", job_id, job.tenant)
-    deadline = task.context.settings.search_deadline_seconds
-    run_started = clock.now()  # created_at's clock: the gateway's host may not be this one
-    try:
-        task.context.admit(job.tenant)  # a removed tenant's search ends here, unrun
-        with metrics.running_job():
-            result = task.context.runtime.search(
-                job.spec, job.tenant, spent=claim.spent, answers=answers
-            )
-            result = _with_queue_wait(result, run_started - job.created_at)
-    except RunTakenOver:  # while it waited for its CPU slot: the run holding it finishes
-        log.info("search %s: another run took its claim over; this run leaves it", job_id)
-        return False
-    except Exception as exc:
-        if isinstance(exc, redis.RedisError):  # the job store's failure: run again (search)
-            log.warning("search %s: Redis failed during its run; left for a redelivery", job_id)
-            raise
-        if task.should_retry(exc) and _retry_fits(claim, deadline):
-            log.warning("search %s: retryable error, retrying: %s", job_id, exc)
-            store.requeue_search(job_id)
-            # let go before the retry is sent: a retry taken while this run still
-            # held the claim would leave the search running with no message left
-            store.release_search(job_id, claim)
-            answers.record()
-            raise task.retry(exc=exc, countdown=task.backoff()) from exc
-        if not isinstance(exc, SiftError):
-            log.exception("search %s: unexpected error", job_id)
-        _with_failed_queue_wait(exc, run_started - job.created_at)
-        error = _billed(error_info(exc), claim.answer)
-        finished = count_completed("search", store.finish_search(job_id, error=error), error)
-    else:
-        finished = count_completed("search", store.finish_search(job_id, result=result), None)
-    if finished:  # the run's figures of the search, once it is saved (ClaimAnswers)
-        answers.record()
-    return finished
-
-
-def _unpace(runtime: object) -> None:
-    """A batch item paced on the rate budget (the runtime's ``pace``) whose search will not
-    run here counts no more in the budget's readings (the runtime's ``unpace``); a runtime
-    factory's may have neither."""
-    unpace = getattr(runtime, "unpace", None)
-    if unpace is not None:
-        unpace()
-
-
-def _with_queue_wait(result: SearchResult, seconds: float) -> SearchResult:
-    """``result`` with its trace (when one was asked for) telling ``queue_wait_seconds``: from
-    the job's submission (a search's, or its batch's) to the start of the run that made it;
-    its batch's totals count it too."""
-    if result.trace is not None:
-        result.trace["queue_wait_seconds"] = max(0.0, seconds)
-    result._stage_seconds["queue_wait"] = max(0.0, seconds)
-    return result
-
-
-def _with_failed_queue_wait(exc: BaseException, seconds: float) -> None:
-    """A failed search's trace (``error.trace``, when it asked for one) telling
-    ``queue_wait_seconds`` as its result's would have (:func:`_with_queue_wait`)."""
-    if isinstance(exc, SiftError) and exc.job_trace is not None:
-        exc.job_trace["queue_wait_seconds"] = max(0.0, seconds)
-    if isinstance(exc, SiftError) and exc.job_seconds is not None:
-        exc.job_seconds["queue_wait"] = max(0.0, seconds)
-
-
-def _kept_usage(answer: str) -> Usage | None:
-    """The usage of a model answer a dead run kept in its claim (``answer``; '' : none; one
-    that cannot be read is logged and shows none: the job still ends)."""
-    if not answer:
-        return None
-    try:
-        return load_run(json.loads(answer)).job_usage()
-    except (ValueError, KeyError, TypeError) as exc:
-        log.warning("a kept model answer could not be read: %s", exc)
-        return None
-
-
-def _billed(error: ErrorInfo, answer: str) -> ErrorInfo:
-    """``error``, with the usage of the model answer a dead run kept (``answer``, its
-    claim's) when it has none of its own: that call was billed, and this run failed before it
-    could apply it (its retrieval), or none ran (the poison path), so the failure is the only
-    record that can show it."""
-    kept = _kept_usage(answer)
-    if error.usage is not None or kept is None:
-        return error
-    return error.model_copy(update={"usage": kept})
-
-
-def _unbilled(usage: Usage | None) -> bool:
-    """Whether ``usage`` (a run's, or a dead run's kept) read no token: no call sent, or each
-    refused (a 429, a 529: the provider bills nothing) or timed out unanswered (what the
-    provider may bill for it no usage says either way: counted unread).
-
-    >>> _unbilled(None), _unbilled(Usage(requests=2)), _unbilled(Usage(requests=1, input_tokens=9))
-    (True, True, False)
-    """
-    if usage is None:
-        return True
-    tokens = usage.input_tokens + usage.output_tokens
-    return tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens == 0
-
-
-def _retry_fits(claim: RunClaim, deadline: float) -> bool:
-    """Whether a task retry would have any of the search's one deadline left to run in: a
-    retry runs in what is left of it, never in a deadline of its own (the wait before the
-    retry is not counted, as the queue wait before the first run is not)."""
-    return deadline - claim.spent_now() >= MIN_ATTEMPT_SECONDS
 
 
 @dataclass
@@ -279,7 +78,7 @@ class _ModelCheck:
         before each retry), on the canceled record with a dead run's kept answer's."""
         if self.marks.canceled(self.batch_id):
             self._cancel(billed)
-        elif _unbilled(billed) and _unbilled(self.billed) and self.stopping and self.stopping():
+        elif unbilled(billed) and unbilled(self.billed) and self.stopping and self.stopping():
             self.kept = billed is not None
             raise HandedBack(f"item {self.query_id} stopped before its model call")
 
@@ -430,7 +229,7 @@ class _ChunkItems:
             return None
         except Exception as exc:
             if item_claim is None:  # paced, or not, but no search ran
-                _unpace(self.runtime)
+                unpace_runtime(self.runtime)
             if isinstance(exc, redis.RedisError):
                 # the job store (Redis, past its client's retries) failed, not the item:
                 # before its run began (its claim, its pacing on the shared budget, an
@@ -468,7 +267,7 @@ class _ChunkItems:
             canceled = store.cancel_item(batch_id, item.query_id)
             return replace(canceled, canceled=True)
         # with the usage of a model answer a dead run kept: billed
-        return None, _billed(_poison_error(self.task), item_claim.answer)
+        return None, billed_error(poison_error(self.task), item_claim.answer)
 
     def _run_first_half(self, item: BatchItem, waited: float) -> RunOutcome:
         """An economy item's first half (retrieval and prompt), kept for its provider batch;
@@ -491,7 +290,7 @@ class _ChunkItems:
                 for record in self.later.pop(item.query_id):  # once: the one kept
                     record()
             return None
-        return _with_queue_wait(prepared.result, waited), None
+        return with_queue_wait(prepared.result, waited), None
 
     def _run_standard(
         self, item: BatchItem, item_claim: RunClaim, checked: _ModelCheck, waited: float
@@ -502,17 +301,17 @@ class _ChunkItems:
         assert runtime is not None and item.spec is not None
         if not item_claim.granted:  # another delivery is running it (jobstore/runs.py)
             log.info("batch %s item %s: another run holds it", batch_id, item.query_id)
-            _unpace(runtime)  # it let this one start: no search of it runs here
+            unpace_runtime(runtime)  # it let this one start: no search of it runs here
             return None
         if item_claim.lost >= self.limit:  # its own runs lost that often: poison
             log.error(
                 "batch %s item %s: its run was lost %d times; failing it as poison",
                 batch_id, item.query_id, item_claim.lost,
             )  # fmt: skip
-            _unpace(runtime)
+            unpace_runtime(runtime)
             self.held[item.query_id] = store.item_answers(batch_id, item.query_id, item_claim)
             # with the usage of a model answer a dead run kept: billed
-            return None, _billed(_poison_error(self.task), item_claim.answer)
+            return None, billed_error(poison_error(self.task), item_claim.answer)
         if item.status == "queued" and not item_claim.spent:
             # its first run: one requeued for a retry let its claim go with the time
             # it ran, so a re-driven chunk (its retry message lost, retries 0) that
@@ -521,11 +320,11 @@ class _ChunkItems:
         answers = self.held[item.query_id] = store.item_answers(
             batch_id, item.query_id, item_claim, self.stopping
         )
-        checked.billed = _kept_usage(item_claim.answer)
+        checked.billed = kept_usage(item_claim.answer)
         result = runtime.search(
             item.spec, self.batch.tenant, checked, spent=item_claim.spent, answers=answers
         )
-        return _with_queue_wait(result, waited), None
+        return with_queue_wait(result, waited), None
 
     def _handed_back(
         self, item: BatchItem, item_claim: RunClaim | None, kept: bool = False
@@ -559,7 +358,7 @@ class _ChunkItems:
         retryable = self.may_retry and isinstance(exc, SiftError) and exc.retryable
         # a retry runs in what is left of the search's deadline (the economy lane's first
         # half, claimed by no run, is retried as it was)
-        if retryable and (item_claim is None or _retry_fits(item_claim, self.deadline)):
+        if retryable and (item_claim is None or retry_fits(item_claim, self.deadline)):
             # one that carries a model answer a dead run kept stays running: it is past
             # its model call, paid for, and its retry finishes it on that answer, or, for
             # billed attempts alone, calls again showing them billed (queued, a cancel
@@ -572,8 +371,8 @@ class _ChunkItems:
             return "retry"
         if not isinstance(exc, SiftError):
             log.exception("batch %s item %s: unexpected error", batch_id, item.query_id)
-        _with_failed_queue_wait(exc, waited)
-        return None, _billed(error_info(exc), item_claim.answer if item_claim else "")
+        with_failed_queue_wait(exc, waited)
+        return None, billed_error(error_info(exc), item_claim.answer if item_claim else "")
 
     def finished(
         self, item: BatchItem, transition: ItemTransition, error: ErrorInfo | None
@@ -660,176 +459,3 @@ def cancel_count(self: SiftTask, batch_id: str) -> None:
     answer, or died before it counted). Taken from the batch's record, so what the gateway
     took, a second delivery, or a second cancel's message counts nothing more."""
     metrics.cancel_counted(*self.context.store.take_cancel_count(batch_id))
-
-
-@shared_task(  # type: ignore[untyped-decorator]
-    name=INGEST_TASK, base=SiftTask, bind=True
-)
-def ingest(self: SiftTask, job_id: str) -> None:
-    """Upsert one ingest job's documents into the tenant's index, or run a delete job (the
-    same record kind, with ``operation`` "delete" or "drop": :mod:`worker.queue.lifecycle`)."""
-    store = self.context.store
-    job = store.get_ingest(job_id)
-    if job is None or job.status.final:
-        return
-    # claimed first, as a search is: a copy delivered while another live run holds the job
-    # (kombu's restore at a broker reconnect puts back a running task's message) writes
-    # nothing, not even its start, and is no poison (its worker is not lost)
-    lease = time_limits(self.context.settings)[INGEST_TASK][1]  # the longest a run may run
-    claim = store.claim_ingest(job_id, liveness.run_owner(), lease_seconds=lease)
-    if not claim.granted:
-        log.info("ingest %s: another run holds it; this delivery leaves it", job_id)
-        return
-    try:
-        _ingest(self, job, claim)
-    except redis.RedisError as exc:
-        # the job store (Redis) failed, not the ingest: it stays running for its redelivery
-        # (the re-drive), its claim in Redis as it is, as a search's (upserts and deletes
-        # are versioned: one run again writes nothing twice, and a delete's count is kept);
-        # Redis unreachable, that re-drive is not counted, as a search's
-        try:
-            if unreachable(exc):
-                settle_outage(store, job_id, [0], delivery=self.delivered())
-        finally:
-            store.ended_ingest(job_id, claim)
-        raise
-    except BaseException:
-        store.release_ingest(job_id, claim)
-        raise
-    # (a retry let go before it was sent: this release then finds nothing to do)
-    store.release_ingest(job_id, claim)
-
-
-def _ingest(task: SiftTask, job: IngestJob, claim: RunClaim) -> None:
-    """Run the ingest ``job`` under its run ``claim``."""
-    store, job_id = task.context.store, job.id
-    if task.poisoned(job_id=job_id):
-        count_completed(
-            "ingest", store.finish_ingest(job_id, error=_poison_error(task)), _poison_error(task)
-        )
-        return
-    deleting = job.operation != "upsert"
-    ids = store.deletion_ids(job_id) if job.operation == "delete" else None
-    documents = store.ingest_documents(job_id) if not deleting else []
-    if documents is None or (job.operation == "delete" and ids is None):
-        expired = ErrorInfo(type="expired", message="documents expired")
-        count_completed("ingest", store.finish_ingest(job_id, error=expired), expired)
-        return
-    if not store.start_ingest(job_id):
-        return
-    if job.started_at is None and not claim.spent:  # its first run (as a search's)
-        metrics.observe_queue_wait(INGEST_QUEUE, clock.now() - job.created_at)
-    try:
-        task.context.admit(job.tenant)  # a removed tenant's ingest or delete ends here, unrun
-        if deleting:
-            deleted = lifecycle.delete(task.context.runtime, job, ids, jobs=store)
-        else:
-            upserted = task.context.runtime.ingest(
-                job.index, job.tenant, documents, version=job.version
-            )
-    except Exception as exc:
-        if isinstance(exc, redis.RedisError):  # the job store's failure: run again (ingest)
-            log.warning("ingest %s: Redis failed during its run; left for a redelivery", job_id)
-            raise
-        if task.should_retry(exc):
-            store.requeue_ingest(job_id)
-            store.release_ingest(job_id, claim)  # before the retry is sent, as a search's
-            raise task.retry(exc=exc, countdown=task.backoff()) from exc
-        if not isinstance(exc, SiftError):
-            log.exception("ingest %s: unexpected error", job_id)
-        error = error_info(exc)
-        count_completed("ingest", store.finish_ingest(job_id, error=error), error)
-        return
-    lifecycle.record_size(task.context.runtime, store, job)  # before the job reads as done
-    if deleting:
-        count_completed("ingest", store.finish_ingest(job_id, deleted=deleted), None)
-        log.info(
-            "ingest %s: %s, %d documents deleted from %s", job_id, job.operation, deleted, job.index
-        )
-        return
-    count_completed("ingest", store.finish_ingest(job_id, upserted=upserted), None)
-    log.info("ingest %s: %d documents into %s", job_id, upserted, job.index)
-
-
-def job_store_error(exc: BaseException) -> dict[str, str] | None:
-    """The answer to an index read whose run met Redis failing: the gateway's own 503 of
-    the job store (``job_store_full`` at Redis's maxmemory or unable to persist to its disk,
-    ``unavailable`` down or silent), not an ``internal_error`` it told its client as the
-    search backend's ``backend_unavailable``. None for any other error, a bug's. Redis's
-    text names its host and port: the log has it, the answer says what failed.
-
-    >>> job_store_error(redis.TimeoutError("Timeout reading from 10.0.0.5:6379"))["message"]
-    'Redis did not answer the worker in time'
-    >>> job_store_error(redis.ResponseError("WRONGTYPE Operation against a key")) is None
-    True
-    """
-    if isinstance(exc, redis.exceptions.OutOfMemoryError):
-        return {"type": ERROR_JOB_STORE_FULL, "message": "Redis reached its maxmemory"}
-    if cannot_persist(exc):
-        return {"type": ERROR_JOB_STORE_FULL, "message": CANNOT_PERSIST}
-    if isinstance(exc, redis.TimeoutError):
-        return {"type": ERROR_UNAVAILABLE, "message": "Redis did not answer the worker in time"}
-    if isinstance(exc, redis.ConnectionError):
-        return {"type": ERROR_UNAVAILABLE, "message": "the worker could not reach Redis"}
-    return None
-
-
-@shared_task(  # type: ignore[untyped-decorator]
-    name=INDEX_READ_TASK, base=SiftTask, bind=True
-)
-def index_read(
-    self: SiftTask,
-    reply_key: str,
-    operation: str,
-    tenant: str,
-    index: str,
-    doc_id: str,
-    body: str = "",
-    start_by: float = 0.0,
-) -> None:
-    """Answer one index read (list, show, a document) or settings change (``update``, with
-    its patch as ``body``) on ``reply_key`` (first, so the logs name the read by it). Never
-    retried: the gateway waits a few seconds for the answer, then answers 503, and the
-    client asks again (a change is a merge patch: applying it twice changes nothing more).
-    A change not started by ``start_by`` (epoch seconds on Redis's clock, ``TIME``: the
-    gateway's host and this one may disagree by seconds) is dropped unapplied: its gateway
-    has answered 503 or is about to, and a later change may have been made since; so is one
-    that has not had its index's settings lock by then. Redis failing is answered as the
-    job store's failure wherever it comes, in reading its clock for ``start_by`` too (that
-    one dropped the change unanswered, and its gateway waited out its 13 s to say no worker
-    answered); only the answer's own write can tell no one, so it is logged. A read carries
-    its ``start_by`` too, the end of its gateway's wait: one taken later (a backlog, a
-    worker started late) is dropped unrun, logged and counted
-    (``sift_index_reads_dropped_total``), as no one waits for its answer any more."""
-    try:
-        if start_by and self.context.store.server_time() > start_by:
-            log.warning(
-                "index %s for %s/%s came after its gateway gave up; dropped",
-                operation,
-                tenant,
-                index,
-            )
-            metrics.index_read_dropped(operation)
-            return
-        self.context.admit(tenant)  # a removed tenant's index is not read nor changed either
-        runtime = self.context.runtime
-        answer = lifecycle.read(runtime, operation, tenant, index, doc_id, body, start_by)
-    except TenantRemoved as exc:  # the gateway answers it 503, naming the removal
-        answer = json.dumps({"error": {"type": exc.code, "message": str(exc)}})
-    except Exception as exc:  # the gateway must hear something, not time out
-        if (error := job_store_error(exc)) is not None:
-            log.warning("index read %s for %s: the job store failed: %r", operation, tenant, exc)
-        else:
-            log.exception("index read %s for %s: unexpected error", operation, tenant)
-            error = {"type": "internal_error", "message": error_info(exc).message}
-        answer = json.dumps({"error": error})
-    try:
-        self.context.store.reply(reply_key, answer)
-    except redis.RedisError as exc:  # nothing left to tell the gateway with: its wait ends in 503
-        log.warning(
-            "index read %s for %s: its answer on %s could not be sent: %r",
-            operation,
-            tenant,
-            reply_key,
-            exc,
-        )
