@@ -258,3 +258,47 @@ def test_results_of_which_no_hit_is_judged_are_named_not_scored_silently(tmp_pat
     run = CliRunner().invoke(app, [*args, "--qrels", str(tmp_path / "qrels.tsv")])
     said = " ".join(run.output.split())
     assert "no hit of any run is a document the qrels judge" in said, said
+
+
+def test_results_cut_before_the_window_leave_the_conditional_row_unknown(tmp_path: Path) -> None:
+    """The conditional row averages the queries with a relevant candidate in the window. A
+    batch of limit 10 holds each query's first 10 fused candidates, not the window's 30: a
+    query whose relevant document is fused 11th to 30th was left out as if none were in the
+    window, so the row averaged only the queries answered in the first ten (SciFact, a
+    `sift batch` of limit 10: 0.818 over 261 claims, where `sift eval --index` gives 0.773
+    over 275). Which queries it holds is unknown then: ``None``, ``–`` in the table. A query
+    with a relevant one among those held is in the window anyway, and a failed search holds
+    no candidate to tell: neither blanks the row."""
+    qrels = {"q1": {"a": 1}, "q2": {"b": 1}, "q3": {"c": 1}}
+    first_ten = [hit(f"x{i}", i + 1, i + 1, i + 1, i + 1) for i in range(10)]
+    items = [
+        {"query_id": "q1", "status": "succeeded", "result": result(hit("a", 1, 1, 1, 1))},
+        {"query_id": "q2", "status": "succeeded", "result": result(*first_ten)},  # b: 11th?
+        {"query_id": "q3", "status": "failed", "error": {"type": "x", "message": "y"}},
+    ]
+    report = score_results(items, qrels, window=30)
+    assert set(report["runs"]["final, conditional on the window"].values()) == {None}
+    assert "final, conditional on the window" in report["unknown"]
+    assert report["runs"]["fused"]["nDCG@10"] == pytest.approx(1 / 3)  # the rest as before
+
+    items[1]["result"] = result(hit("b", 1, 1, 1, 1), *first_ten[1:])  # held: in the window
+    report = score_results(items, qrels, window=30)
+    assert report["runs"]["final, conditional on the window"]["nDCG@10"] == pytest.approx(1.0)
+    assert report["unknown"] == {}
+    traced = {"coarse_limit": 10, "candidate_limit": {"value": 10, "from": "request"}}
+    items[1]["result"] = result(*first_ten, trace=traced)  # the window's 10, all of them
+    items[0]["result"] = result(hit("a", 1, 1, 1, 1), trace=traced)
+    assert score_results(items, qrels)["runs"]["final, conditional on the window"]["nDCG@10"]
+
+    items[1]["result"] = result(*first_ten)
+    del items[0]["result"]["trace"]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(i) + "\n" for i in items))
+    (tmp_path / "qrels.tsv").write_text("query-id\tcorpus-id\tscore\nq1\ta\t1\nq2\tb\t1\n")
+    args = ["eval", "--results", str(tmp_path / "results.jsonl")]
+    run = CliRunner().invoke(
+        app, [*args, "--qrels", str(tmp_path / "qrels.tsv")], env={"COLUMNS": "250"}
+    )
+    (row,) = [line for line in run.output.splitlines() if "│ final, conditional" in line]
+    assert row.count("–") == 4 and "1.000" not in row, run.output
+    said = " ".join(run.output.split())
+    assert "–: unknown: the results hold only" in said, said
