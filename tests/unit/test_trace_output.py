@@ -81,3 +81,20 @@ def test_the_compact_trace_says_when_bm25_searched_only_the_querys_first_words()
     assert f"bm25 searched the query's first {MAX_BM25_WORDS} words" in trace_lines(cut)[0]
     whole = pipeline.search(spec(include_trace=True), "acme").trace
     assert whole is not None and "first" not in trace_lines(whole)[0]
+
+
+def test_the_compact_trace_names_the_fusion_used_and_the_channels_depth() -> None:
+    """A search fused by `linear` (a request's, or an index's after `sift eval --tune
+    --apply`) was said to be "fused by rrf", and the channels' depth (120 for a reranked
+    search at window 30) was printed as the "window", the name the docs and `sift eval
+    --window` give the rerank's candidate window (30)."""
+    from worker.contract import FusionSpec
+
+    pipeline, _, _ = make([reply([1])], policy="fail_open")
+    linear = spec(include_trace=True, fusion=FusionSpec(method="linear"))
+    trace = json.loads(json.dumps(pipeline.search(linear, "acme").trace))
+    [retrieval] = [line for line in trace_lines(trace) if line.startswith("retrieval: ")]
+    assert "fused by linear;" in retrieval, retrieval
+    assert f"(coarse limit 30, channels {trace['channel_window']} deep)" in retrieval, retrieval
+    [retrieval] = [line for line in trace_lines(_trace([reply([1])])) if "retrieval" in line]
+    assert "fused by rrf;" in retrieval and "window" not in retrieval, retrieval

@@ -299,17 +299,18 @@ def trace_lines(trace: dict[str, Any]) -> list[str]:
     >>> for line in trace_lines({"mode": "fts", "policy": None, "coarse_limit": 3,
     ...         "channel_window": 6, "channel_counts": {"bm25": 4}, "candidates": [{"id": "a"}]}):
     ...     print(line)
-    retrieval: mode fts, bm25 4, fused by rrf; 1 candidate(s) (coarse limit 3, window 6)
+    retrieval: mode fts, bm25 4, fused by rrf; 1 candidate(s) (coarse limit 3, channels 6 deep)
     rerank: not asked
     """
     counts = trace.get("channel_counts") or {}
     channels = ", ".join(f"{name} {n}" for name, n in counts.items()) or "no channel"
-    fused = "the backend" if trace.get("fused_by_backend") else "rrf"
+    method = (trace.get("fusion") or {}).get("method") or "rrf"  # a trace from before fusion
+    fused = f"the backend's {method}" if trace.get("fused_by_backend") else method
     candidates = trace.get("candidates") or []
     lines = [
         f"retrieval: mode {trace.get('mode')}, {channels}, fused by {fused}; "
         f"{len(candidates)} candidate(s) (coarse limit {trace.get('coarse_limit')}, "
-        f"window {trace.get('channel_window')})"
+        f"channels {trace.get('channel_window')} deep)"
     ]
     if trace.get("bm25_query_truncated"):  # the rest of a long query was left out
         lines[0] += f"; bm25 searched the query's first {trace.get('bm25_words')} words"
