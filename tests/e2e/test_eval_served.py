@@ -137,7 +137,8 @@ def test_eval_results_scores_a_batch_file(stack: Stack, served: Path, tmp_path: 
     assert f"{report['runs']['bm25']['nDCG@10']:.3f}" in printed
 
 
-def test_eval_results_scores_the_reranked_order(stack: Stack, tmp_path: Path) -> None:
+def test_eval_results_scores_the_reranked_order(stack: Stack, corpus: object,
+                                               tmp_path: Path) -> None:  # fmt: skip
     """Reranked results: the final row is the hits as served; the fused row is unknown
     (``None``, ``–`` in the table): the hits hold the fused ranks of those the model kept
     only. It was the part of the fused ranking the hits held without a gap, often none of

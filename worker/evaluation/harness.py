@@ -800,9 +800,9 @@ def _leave_conditional_unknown_if_cut(
 ) -> None:
     """Blank the conditional row when the results stop short of the window for a query none
     of whose held candidates is relevant (a batch of limit 10, a window of 30): whether its
-    window holds a relevant one is unknown, and the row averaged only the queries answered
-    in the candidates held (SciFact at limit 10: 0.818 over 261 claims, against 0.773 over
-    the window's 275)."""
+    window holds a relevant one is unknown (averaged over the queries answered in the
+    candidates held alone, SciFact at limit 10 reads 0.818 over 261 claims, against 0.773
+    over the window's 275)."""
     window = report["candidate_recall"]["window"]
     unknown = [
         qid
