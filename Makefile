@@ -62,5 +62,7 @@ bench: install services
 	$(BIN)/python benchmarks/bench_faults.py --repeat 5
 	$(BIN)/python benchmarks/bench_load.py --rate 20 --duration 60 --model-delay 0.5
 
+# The venv and the tools' caches; never .sift, which holds `sift up`'s default data folder
+# (.sift/data: the index, Redis's AOF, the development key): delete that by hand.
 clean:
-	rm -rf $(VENV) .sift .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
