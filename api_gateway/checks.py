@@ -21,7 +21,8 @@ from worker.errors import InvalidRequest
 
 IDEMPOTENCY_KEY = "Idempotency-Key"
 SINGLE_HEADERS = (IDEMPOTENCY_KEY,)  # each given at most once (checked_headers)
-KEYED_ROUTES = "POST /v1/searches and POST /v1/batches"  # the routes that honour the key
+# the routes that honour the key
+KEYED_ROUTES = "POST /v1/searches, POST /v1/batches and POST /v1/indexes/{index}/documents"
 
 
 def _query_names(dependant: Dependant) -> frozenset[str]:

@@ -10,6 +10,8 @@ from fastapi import Path, Request, Response
 
 from api_gateway.deps import (
     ERRORS,
+    REPLAYED_HEADER,
+    REPLAYED_HEADER_DOC,
     Tenant,
     Wait,
     accepted,
@@ -21,6 +23,7 @@ from api_gateway.deps import (
     task_sender,
 )
 from api_gateway.errors import ApiError
+from api_gateway.jobs._idempotency import IdemKey, _Idempotency
 from api_gateway.jobs._shared import (
     JobIdPath,
     _create_and_enqueue,
@@ -34,9 +37,13 @@ from worker.contract import BLANK, INDEX_PATTERN, is_blank
 from worker.errors import InvalidRequest
 from worker.observability import metrics
 from worker.observability.logcontext import job_context
-from worker.queue.jobstore import Enqueue, IngestJob
+from worker.queue.jobstore import Enqueue, IdempotencyKeyBound, IngestJob, fingerprint
 
 log = logging.getLogger(__package__)  # api_gateway.jobs: one logger for the job routes
+
+
+def _fingerprint(route: str, body: DocumentsRequest) -> str:
+    return fingerprint(route, body.model_dump(mode="json"))
 
 
 def ingest_out(job: IngestJob) -> IngestJobOut:
@@ -94,8 +101,12 @@ async def ingest_response(request: Request, job: IngestJob, wait: float) -> Resp
     response_model=IngestJobOut,
     status_code=202,
     responses={
-        200: {"model": IngestJobOut, "description": "Ingested within `wait`."},
-        **accepted("Queued or running; poll the `Location`."),
+        200: {
+            "model": IngestJobOut,
+            "description": "Ingested within `wait`.",
+            "headers": REPLAYED_HEADER_DOC,
+        },
+        **accepted("Queued or running; poll the `Location`.", keyed=True),
         **ERRORS,
     },
     summary="Upsert documents by id into an index, for the caller's tenant",
@@ -106,9 +117,13 @@ async def upsert_documents(
     tenant: Tenant,
     index: Annotated[str, Path(min_length=1, max_length=128, pattern=INDEX_PATTERN)],
     wait: Wait = 0.0,
+    idempotency_key: IdemKey = None,
 ) -> Response:
     """Enqueues an ingest job and answers 202 with its id (poll
-    ``GET /v1/ingestions/{id}``), or 200 when it finished within ``wait`` seconds."""
+    ``GET /v1/ingestions/{id}``), or 200 when it finished within ``wait`` seconds. A request
+    sent again with its ``Idempotency-Key`` answers the job the first one made: made again,
+    it would take a newer write version than a delete of its ids accepted in between, and
+    bring them back."""
     first_at: dict[str, int] = {}
     for i, doc in enumerate(body.documents):
         # one write per id: the job's documents share one write version, so a backend
@@ -121,15 +136,36 @@ async def upsert_documents(
         first_at[doc.id] = i
         if is_blank(doc.text):
             raise InvalidRequest(f"documents[{i}].text", BLANK)
-    await room_for_new_work(request)  # a delete is taken still: it frees room
     store = job_store(request)
-    job = await enqueue_ingest(
-        request,
-        lambda enqueue: store.create_ingest(tenant, index, body.documents, enqueue=enqueue),
-    )
-    with job_context(job.id):
-        log.info("ingest %s: %d documents for %s/%s", job.id, job.documents, tenant, index)
-    return await ingest_response(request, job, wait)
+    route = f"POST /v1/indexes/{index}/documents"
+    # up to 32 MB of documents: their fingerprint is made off the event loop
+    fp = "" if idempotency_key is None else await off_loop(_fingerprint, route, body)
+    idem = _Idempotency(store, tenant, idempotency_key, fp)
+    job_id = await idem.earlier_job()
+    if job_id is None:
+        try:
+            await room_for_new_work(request)  # a delete is taken still: it frees room
+            job = await enqueue_ingest(
+                request,
+                lambda enqueue: store.create_ingest(
+                    tenant, index, body.documents, enqueue=enqueue, claim=idem.ref
+                ),
+            )
+        except IdempotencyKeyBound as bound:
+            job_id = idem.bound_job(bound)
+        except BaseException:
+            await idem.failed()
+            raise
+        else:
+            with job_context(job.id):
+                log.info("ingest %s: %d documents for %s/%s", job.id, job.documents, tenant, index)
+            return await ingest_response(request, job, wait)
+    earlier = await off_loop(store.get_ingest, job_id)
+    if earlier is None:
+        raise _lost("ingest", job_id)
+    response = await ingest_response(request, earlier, wait)
+    response.headers[REPLAYED_HEADER] = "true"
+    return response
 
 
 @router.get(

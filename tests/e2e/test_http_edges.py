@@ -196,7 +196,6 @@ KEYED = {"Idempotency-Key": "k-" + "1" * 20, **ACME}
 @pytest.mark.parametrize(
     ("method", "path", "body"),
     [
-        ("POST", "/v1/indexes/idem-1/documents", {"documents": [{"id": "d", "text": "t"}]}),
         ("POST", "/v1/indexes/idem-2/documents/delete", {"ids": ["d"]}),
         ("PATCH", "/v1/indexes/idem-3", {"candidate_limit": 20}),
     ],
@@ -204,10 +203,10 @@ KEYED = {"Idempotency-Key": "k-" + "1" * 20, **ACME}
 def test_an_idempotency_key_where_it_is_not_honoured_is_422_naming_it(
     stack: Stack, method: str, path: str, body: dict[str, Any]
 ) -> None:
-    """Only ``POST /v1/searches`` and ``POST /v1/batches`` honour ``Idempotency-Key``;
-    elsewhere it was silently ignored, so a client that sent it believed a resend gave the
-    same job and got a second. Now a ``POST`` or ``PATCH`` that does not take it is refused
-    before anything is done, naming the header and the routes that take it."""
+    """Only ``POST /v1/searches``, ``POST /v1/batches`` and an ingest honour
+    ``Idempotency-Key``; elsewhere it was silently ignored, so a client that sent it believed a
+    resend gave the same job and got a second. Now a ``POST`` or ``PATCH`` that does not take
+    it is refused before anything is done, naming the header and the routes that take it."""
     response = stack.live.request(method, path, json=body, headers=KEYED)
     assert response.status_code == 422, response.text
     error = response.json()["error"]
@@ -218,6 +217,32 @@ def test_an_idempotency_key_where_it_is_not_honoured_is_422_naming_it(
     listed = stack.live.get("/v1/ingestions", headers=ACME).json()["ingestions"]
     assert all(job["index"] != index for job in listed), listed
     assert stack.live.request(method, path, json=body, headers={}).status_code == 401
+
+
+def test_an_ingest_sent_again_with_its_idempotency_key_answers_its_first_job(
+    stack: Stack,
+) -> None:
+    """An ingest made again would take a newer write version than a delete of its ids
+    accepted in between, and bring them back: the same key and body give the first job
+    (``Idempotent-Replayed``), another body or another index's route is ``422``."""
+    headers = {**ACME, "Idempotency-Key": "ingest-replay-1"}
+    path, body = "/v1/indexes/idem-ingest/documents", {"documents": [{"id": "d", "text": "t"}]}
+    first = stack.live.post(path, json=body, headers=headers, params={"wait": 30})
+    assert first.status_code == 200, first.text
+    again = stack.live.post(path, json=body, headers=headers)
+    assert again.status_code == 200, again.text  # final: 200, as a finished search's replay
+    assert again.json()["id"] == first.json()["id"]
+    assert again.headers["Idempotent-Replayed"] == "true"
+    listed = stack.live.get("/v1/ingestions", headers=ACME).json()["ingestions"]
+    assert [job["id"] for job in listed if job["index"] == "idem-ingest"] == [first.json()["id"]]
+    for other_path, other_body in [
+        (path, {"documents": [{"id": "d", "text": "another"}]}),
+        ("/v1/indexes/idem-ingest-2/documents", body),
+    ]:
+        refused = stack.live.post(other_path, json=other_body, headers=headers)
+        assert refused.status_code == 422, refused.text
+        assert refused.json()["error"]["field"] == "Idempotency-Key", refused.text
+    assert stack.live.get("/v1/indexes/idem-ingest-2", headers=ACME).status_code == 404
 
 
 def test_an_idempotency_key_on_a_read_or_a_delete_changes_nothing(

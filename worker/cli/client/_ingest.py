@@ -10,6 +10,7 @@ import os
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -81,14 +82,16 @@ def _send_documents(
         return 0
     path = f"/v1/indexes/{segment(index)}/documents"
     try:
-        # sent again through a gateway or Redis restart, as `sift batch` sends its submit:
-        # safe with no Idempotency-Key, for a request made twice writes its documents twice,
-        # each replacing itself by id, and a later request's write still has the later version
+        # sent again through a gateway or Redis restart, as `sift batch` sends its submit,
+        # with an Idempotency-Key of its own: a request that made its job before its answer
+        # was lost gets that job back, where a second job took a newer write version than a
+        # delete of its ids accepted in between, and brought them back
         response = client.request(
             "POST",
             path,
             params={"wait": 30},
             json={"documents": documents},
+            headers={"Idempotency-Key": uuid.uuid4().hex},
             retry_for=RETRY_SECONDS,
         )
     except GatewayError as exc:

@@ -20,6 +20,12 @@ from worker.constants import (
     STATS_UNTRACKED_KEY,
 )
 from worker.contract import DocumentIn, ErrorInfo, JobStatus
+from worker.queue.jobstore.idempotency import (
+    IdempotencyKeyBound,
+    IdempotencyRef,
+    _claim_of,
+    _idem_binding,
+)
 from worker.queue.jobstore.jobindex import KIND_INGEST, job_index_key
 from worker.queue.jobstore.records import (
     Enqueue,
@@ -43,10 +49,12 @@ def _create_write_call(
     staged: bool,
     ttl: int,
     enqueue: Enqueue | None,
+    claim: IdempotencyRef | None = None,
 ) -> tuple[list[str], list[str | int]]:
     """KEYS and ARGV of :data:`~worker.queue.jobstore.scripts._CREATE_WRITE` for a new
     ingest-kind job: its record's fields but the version and the date (the script's), its
-    documents' key (``staged``: written before), and its task messages."""
+    documents' key (``staged``: written before), its task messages and, with ``claim``, its
+    Idempotency-Key's binding."""
     fields = [
         "kind", "ingest", "tenant", tenant, "index", index, "status", JobStatus.QUEUED.value,
         "documents", str(documents), "operation", operation,
@@ -63,7 +71,12 @@ def _create_write_call(
     ]
     args: list[str | int] = ["1" if staged else "0", INGEST_DOCS_TTL_SECONDS]
     args += [ttl * JOB_INDEX_RETENTIONS, LEGACY_WRITE_VERSION_WINDOW_SECONDS, job_id, len(fields)]
-    return keys, args + fields + [raw for _, raw in messages]
+    args += [len(messages), *fields, *(raw for _, raw in messages)]
+    if claim is not None:
+        name, value, expiry = _idem_binding(claim, job_id)
+        keys.append(name)
+        args += [value, expiry]
+    return keys, args
 
 
 def _ingest_of(job_id: str, raw: dict[str, str]) -> IngestJob | None:
@@ -98,9 +111,13 @@ class IngestRecords(_StoreCore):
         documents: Sequence[DocumentIn],
         *,
         enqueue: Enqueue | None = None,
+        claim: IdempotencyRef | None = None,
     ) -> IngestJob:
+        """An upsert's job; with ``claim``, its Idempotency-Key bound to it in the same step,
+        raising :class:`IdempotencyKeyBound` (nothing written) when the key names a job
+        already."""
         payload = json.dumps([d.model_dump() for d in documents], separators=(",", ":"))
-        return self._create_write(tenant, index, "upsert", payload, len(documents), enqueue)
+        return self._create_write(tenant, index, "upsert", payload, len(documents), enqueue, claim)
 
     def _create_write(
         self,
@@ -110,6 +127,7 @@ class IngestRecords(_StoreCore):
         payload: str | None,
         documents: int,
         enqueue: Enqueue | None,
+        claim: IdempotencyRef | None = None,
     ) -> IngestJob:
         """An ingest-kind job (an upsert, a delete or a drop) with its write version: the
         order in which writes were accepted, which the backend keeps per id, so the write
@@ -134,6 +152,7 @@ class IngestRecords(_StoreCore):
             payload is not None,
             self.result_ttl,
             enqueue,
+            claim,
         )
         # a reply lost with the connection: redis-py sends the script again, which finds the
         # record and answers what it holds (sent again blindly, or answered 503, it made a
@@ -141,6 +160,8 @@ class IngestRecords(_StoreCore):
         reply = resending()(self._create_write_script, keys=keys, args=args)
         if reply is None:  # Redis came back without them
             raise redis.ConnectionError(f"ingest {job_id}: its documents were lost")
+        if isinstance(reply, str) and claim is not None:  # the key's earlier job
+            raise IdempotencyKeyBound(_claim_of(reply, claim.fingerprint))
         version, created_at = cast(list[str], reply)
         return IngestJob(
             id=job_id,

@@ -339,13 +339,17 @@ return 1
 # must not list it below one it was accepted after).
 # KEYS: 1 record, 2 its documents (staged before: ARGV[1] '1'; none for a drop), 3 the active
 # set, 4 the ingests' counts (STATS_UNTRACKED_KEY), 5 the tenant's ingest index, 6-8 the
-# tenant's version keys (write_versions.version_keys), then one list per task message.
+# tenant's version keys (write_versions.version_keys), then one list per task message, then
+# an upsert's Idempotency-Key, if it has one.
 # ARGV: 1 '1' when it has documents, 2 their TTL once kept, 3 the index's TTL, 4 the version
-# window, 5 the job id, 6 the record's field count n, n fields and values, the raw messages.
+# window, 5 the job id, 6 the record's field count n, 7 the message count m, n fields and
+# values, the m raw messages, then the key's binding and its TTL.
 # The record takes no TTL: its final move gives it its retention (_TRANSITION_JOB).
 # Returns {version, created_at}: the new job's; or, the record there already (this very call
 # ran before: a retry after a lost reply), the ones it holds, nothing written again. False
-# when its documents are gone (a Redis that came back without them), nothing written.
+# when its documents are gone (a Redis that came back without them), nothing written. The
+# key's record when it names a job already (a resend of a request that made one), nothing
+# written and the documents staged for this call let go.
 _CREATE_WRITE = (
     TAKE_VERSION
     + """
@@ -353,21 +357,30 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   return redis.call('HMGET', KEYS[1], 'version', 'created_at')
 end
 if ARGV[1] == '1' and redis.call('EXISTS', KEYS[2]) == 0 then return false end
+local n, m = tonumber(ARGV[6]), tonumber(ARGV[7])
+local bound = KEYS[9 + m]
+if bound then
+  local earlier = redis.call('GET', bound)
+  if earlier and type(cjson.decode(earlier)['job']) == 'string' then
+    redis.call('DEL', KEYS[2])
+    return earlier
+  end
+end
 local version = string.format('%d', take_version(KEYS[6], KEYS[7], KEYS[8], tonumber(ARGV[4])))
 local t = redis.call('TIME')
 local at = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local newest = redis.call('ZREVRANGE', KEYS[5], 0, 0, 'WITHSCORES')[2]
 if newest then at = math.max(at, math.floor(tonumber(newest) * 1000000 + 0.5) + 1) end
 local created = string.format('%d.%06d', math.floor(at / 1000000), at % 1000000)
-local n = tonumber(ARGV[6])
-redis.call('HSET', KEYS[1], 'created_at', created, 'version', version, unpack(ARGV, 7, 6 + n))
+redis.call('HSET', KEYS[1], 'created_at', created, 'version', version, unpack(ARGV, 8, 7 + n))
 if ARGV[1] == '1' then redis.call('EXPIRE', KEYS[2], tonumber(ARGV[2])) end
 redis.call('ZADD', KEYS[3], created, ARGV[5])
 redis.call('HINCRBY', KEYS[4], 'queued', 1)
 redis.call('ZADD', KEYS[5], created, ARGV[5])
 redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', tonumber(created) - tonumber(ARGV[3]))
 redis.call('EXPIRE', KEYS[5], tonumber(ARGV[3]))
-for i = 9, #KEYS do redis.call('LPUSH', KEYS[i], ARGV[i - 2 + n]) end
+for i = 1, m do redis.call('LPUSH', KEYS[8 + i], ARGV[7 + n + i]) end
+if bound then redis.call('SET', bound, ARGV[8 + n + m], 'EX', tonumber(ARGV[9 + n + m])) end
 return {version, created}
 """
 )

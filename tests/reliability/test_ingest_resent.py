@@ -1,0 +1,99 @@
+"""``sift ingest`` sent again after its gateway died with the request made: a delete of one of
+its ids, accepted while the gateway was down, still wins.
+
+Real processes: a redis-server, two ``sift gateway``s (one SIGKILLed while the ingest's
+request waits on its job, no worker running yet; the other takes the delete), ``sift
+ingest`` as its own process, and a ``sift worker`` started once both writes are accepted.
+
+Before, the command sent its request again with nothing to tie it to the first: a second
+ingest job, accepted after the delete, took a newer write version than it, so the document
+the delete removed was written back (the delete succeeded, ``deleted: 0``, and the document
+stayed searchable). Now each request carries an ``Idempotency-Key`` of its own, and the
+resend gets the first request's job back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+
+from tests.e2e.test_ingest_interrupt import sift_ingest
+from tests.fake_anthropic import FakeAnthropic
+from tests.reliability.support import ACME, stack_env, wait_for
+from tests.services import celery_worker, gateway, redis_server
+from worker.processes.stack import child_env, free_port, sift_command, wait_until
+
+INDEX = "resent"
+
+
+@contextlib.contextmanager
+def killable_gateway(tmp: Path, env: dict[str, str], name: str, port: int) -> Iterator[str]:
+    """``sift gateway`` on ``port``, killed (SIGKILL) when the block ends."""
+    log = tmp / f"{name}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            sift_command("gateway", "--host", "127.0.0.1", "--port", str(port)),
+            stdout=out, stderr=subprocess.STDOUT, env=child_env(env, inherit_sift=False),
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(
+            lambda: httpx.get(url + "/readyz", timeout=1).status_code == 200, name, proc, log
+        )
+        yield url
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_an_ingest_sent_again_after_its_gateway_died_does_not_undo_a_later_delete(
+    tmp_path: Path,
+) -> None:
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(
+        "".join(json.dumps({"id": i, "text": f"quokka {i}"}) + "\n" for i in ("r1", "r2"))
+    )
+    with (
+        FakeAnthropic() as model,
+        redis_server(tmp_path / "redis") as base,
+        httpx.Client(timeout=30, headers=ACME) as http,
+    ):
+        env = stack_env(base + "/0", model.url)
+        port = free_port()
+        with gateway(tmp_path / "other", env, "other") as other:
+
+            def ingests() -> list[dict[str, str]]:
+                listed = http.get(other + "/v1/ingestions").json()["ingestions"]
+                return [job for job in listed if job["index"] == INDEX]
+
+            first = ExitStack()
+            url = first.enter_context(killable_gateway(tmp_path, env, "first", port))
+            with first, sift_ingest(url, corpus, INDEX) as sift:
+                wait_for(lambda: len(ingests()) == 1, "the ingest's job made")
+                first.close()  # killed with the request waiting on its job: sent again
+                deleted = http.delete(f"{other}/v1/indexes/{INDEX}/documents/r1")
+                assert deleted.status_code == 202, deleted.text
+                with (
+                    killable_gateway(tmp_path, env, "second", port),
+                    celery_worker(tmp_path, env, "worker"),
+                ):
+                    code = sift.finish(seconds=120)
+                    err = sift.stderr()
+                    wait_for(
+                        lambda: all(job["status"] == "succeeded" for job in ingests()),
+                        "every write done",
+                    )
+                    r1 = http.get(f"{other}/v1/indexes/{INDEX}/documents/r1")
+                    r2 = http.get(f"{other}/v1/indexes/{INDEX}/documents/r2")
+                    jobs = ingests()
+    assert code == 0, err
+    assert "trying again" in err, err  # the request was sent again
+    assert r1.status_code == 404, r1.text  # the delete, accepted last, wins
+    assert [job["operation"] for job in jobs] == ["delete", "upsert"], jobs  # newest first
+    assert r2.json()["text"] == "quokka r2", r2.text
