@@ -27,6 +27,7 @@ from starlette.convertors import Convertor, register_url_convertor
 from api_gateway.deps import (
     ERRORS,
     LOCATION_HEADER,
+    REPLAYED_HEADER_DOC,
     UNAVAILABLE_DOC,
     PageSize,
     Tenant,
@@ -43,7 +44,7 @@ from api_gateway.errors import (
     job_store_full,
     job_store_unavailable,
 )
-from api_gateway.jobs import enqueue_ingest, ingest_response
+from api_gateway.jobs import IdemKey, submit_write
 from api_gateway.routing import GetAnswersHead
 from api_gateway.schemas import IngestJobOut, _Strict, iso
 from api_gateway.tokens import decode_cursor, encode_cursor, max_cursor_chars
@@ -62,7 +63,6 @@ from worker.constants import (
 )
 from worker.contract import INDEX_PATTERN, FilterValue, FusionMethod, IndexSettingsPatch
 from worker.errors import InvalidRequest
-from worker.observability.logcontext import job_context
 from worker.redis_client import CANNOT_PERSIST
 
 log = logging.getLogger(__name__)
@@ -102,9 +102,13 @@ JOB_RESPONSES: dict[int | str, dict[str, Any]] = {
     202: {
         "model": IngestJobOut,
         "description": "Accepted: the job, queued or running.",
-        "headers": LOCATION_HEADER,
+        "headers": {**LOCATION_HEADER, **REPLAYED_HEADER_DOC},
     },
-    200: {"model": IngestJobOut, "description": "Finished within `wait`."},
+    200: {
+        "model": IngestJobOut,
+        "description": "Finished within `wait`.",
+        "headers": REPLAYED_HEADER_DOC,
+    },
     **ERRORS,
 }
 
@@ -337,16 +341,24 @@ def worker_failure(type_: str, message: str) -> ApiError:
 
 
 async def _delete_job(
-    request: Request, tenant: str, index: str, ids: list[str] | None, wait: float
+    request: Request,
+    tenant: str,
+    index: str,
+    ids: list[str] | None,
+    wait: float,
+    key: str | None,
 ) -> Response:
+    """A delete job of ``ids`` (None: the index), replayed by its ``Idempotency-Key``."""
     store = job_store(request)
-    job = await enqueue_ingest(
-        request, lambda enqueue: store.create_deletion(tenant, index, ids, enqueue=enqueue)
+    return await submit_write(
+        request,
+        (tenant, key, f"{request.method} {request.url.path}", lambda: ids),
+        lambda enqueue, claim: store.create_deletion(
+            tenant, index, ids, enqueue=enqueue, claim=claim
+        ),
+        wait,
+        admit=False,
     )
-    count = len(set(ids or []))  # as the job counts them: an id named twice is one
-    with job_context(job.id):
-        log.info("ingest %s: %s of %d ids for %s/%s", job.id, job.operation, count, tenant, index)
-    return await ingest_response(request, job, wait)
 
 
 async def _read_index(
@@ -490,9 +502,14 @@ async def get_document(
     "write accepted last wins, whichever worker runs first.",
 )
 async def delete_document(
-    request: Request, tenant: Tenant, index: IndexPath, doc_id: DocIdPath, wait: Wait = 0.0
+    request: Request,
+    tenant: Tenant,
+    index: IndexPath,
+    doc_id: DocIdPath,
+    wait: Wait = 0.0,
+    idempotency_key: IdemKey = None,
 ) -> Response:
-    return await _delete_job(request, tenant, index, [doc_id], wait)
+    return await _delete_job(request, tenant, index, [doc_id], wait, idempotency_key)
 
 
 @router.post(
@@ -508,8 +525,9 @@ async def delete_documents(
     tenant: Tenant,
     index: IndexPath,
     wait: Wait = 0.0,
+    idempotency_key: IdemKey = None,
 ) -> Response:
-    return await _delete_job(request, tenant, index, body.ids, wait)
+    return await _delete_job(request, tenant, index, body.ids, wait, idempotency_key)
 
 
 @router.delete(
@@ -531,6 +549,10 @@ async def delete_documents(
     "job reported it written.",
 )
 async def delete_index(
-    request: Request, tenant: Tenant, index: IndexPath, wait: Wait = 0.0
+    request: Request,
+    tenant: Tenant,
+    index: IndexPath,
+    wait: Wait = 0.0,
+    idempotency_key: IdemKey = None,
 ) -> Response:
-    return await _delete_job(request, tenant, index, None, wait)
+    return await _delete_job(request, tenant, index, None, wait, idempotency_key)

@@ -20,10 +20,9 @@ from api_gateway.jobs._idempotency import IdemKey
 
 # isort: split
 from api_gateway.jobs._documents import (
-    enqueue_ingest,
     get_ingestion,
     ingest_out,
-    ingest_response,
+    submit_write,
     upsert_documents,
 )
 
@@ -51,7 +50,6 @@ __all__ = [
     "cancel_batch",
     "create_batch",
     "create_search",
-    "enqueue_ingest",
     "erase_batch",
     "erase_search",
     "get_batch",
@@ -59,8 +57,8 @@ __all__ = [
     "get_ingestion",
     "get_search",
     "ingest_out",
-    "ingest_response",
     "router",
     "stop_retakes",
+    "submit_write",
     "upsert_documents",
 ]

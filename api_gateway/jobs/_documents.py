@@ -37,13 +37,15 @@ from worker.contract import BLANK, INDEX_PATTERN, is_blank
 from worker.errors import InvalidRequest
 from worker.observability import metrics
 from worker.observability.logcontext import job_context
-from worker.queue.jobstore import Enqueue, IdempotencyKeyBound, IngestJob, fingerprint
+from worker.queue.jobstore import (
+    Enqueue,
+    IdempotencyKeyBound,
+    IdempotencyRef,
+    IngestJob,
+    fingerprint,
+)
 
 log = logging.getLogger(__package__)  # api_gateway.jobs: one logger for the job routes
-
-
-def _fingerprint(route: str, body: DocumentsRequest) -> str:
-    return fingerprint(route, body.model_dump(mode="json"))
 
 
 def ingest_out(job: IngestJob) -> IngestJobOut:
@@ -138,19 +140,43 @@ async def upsert_documents(
             raise InvalidRequest(f"documents[{i}].text", BLANK)
     store = job_store(request)
     route = f"POST /v1/indexes/{index}/documents"
-    # up to 32 MB of documents: their fingerprint is made off the event loop
-    fp = "" if idempotency_key is None else await off_loop(_fingerprint, route, body)
-    idem = _Idempotency(store, tenant, idempotency_key, fp)
+    return await submit_write(
+        request,
+        (tenant, idempotency_key, route, lambda: body.model_dump(mode="json")),
+        lambda enqueue, claim: store.create_ingest(
+            tenant, index, body.documents, enqueue=enqueue, claim=claim
+        ),
+        wait,
+        admit=True,  # a delete is taken still: it frees room
+    )
+
+
+async def submit_write(
+    request: Request,
+    keyed: tuple[str, str | None, str, Callable[[], object]],
+    create: Callable[[Enqueue | None, IdempotencyRef | None], IngestJob],
+    wait: float,
+    *,
+    admit: bool,
+) -> Response:
+    """Store an ingest-kind job (an upsert, a delete or a drop) as ``create`` makes it, and
+    answer it. ``keyed``: the tenant, its ``Idempotency-Key`` (None: none), the request's
+    route and its body as JSON: a request sent again with its key answers the job the first
+    one made (``Idempotent-Replayed``). Made again, it took a newer write version than a
+    write of the same ids accepted in between, and undid it: a resent upsert brought back
+    what a delete removed, a resent delete removed what an upsert wrote. ``admit``: refused
+    when the job store is nearly full (an upsert's)."""
+    tenant, key, route, body = keyed
+    store = job_store(request)
+    # an upsert's body is up to 32 MB: its fingerprint is made off the event loop
+    fp = "" if key is None else await off_loop(lambda: fingerprint(route, body()))
+    idem = _Idempotency(store, tenant, key, fp)
     job_id = await idem.earlier_job()
     if job_id is None:
         try:
-            await room_for_new_work(request)  # a delete is taken still: it frees room
-            job = await enqueue_ingest(
-                request,
-                lambda enqueue: store.create_ingest(
-                    tenant, index, body.documents, enqueue=enqueue, claim=idem.ref
-                ),
-            )
+            if admit:
+                await room_for_new_work(request)
+            job = await enqueue_ingest(request, lambda enqueue: create(enqueue, idem.ref))
         except IdempotencyKeyBound as bound:
             job_id = idem.bound_job(bound)
         except BaseException:
@@ -158,7 +184,10 @@ async def upsert_documents(
             raise
         else:
             with job_context(job.id):
-                log.info("ingest %s: %d documents for %s/%s", job.id, job.documents, tenant, index)
+                log.info(
+                    "ingest %s: %s of %d for %s/%s",
+                    job.id, job.operation, job.documents, tenant, job.index,
+                )  # fmt: skip
             return await ingest_response(request, job, wait)
     earlier = await off_loop(store.get_ingest, job_id)
     if earlier is None:

@@ -196,17 +196,17 @@ KEYED = {"Idempotency-Key": "k-" + "1" * 20, **ACME}
 @pytest.mark.parametrize(
     ("method", "path", "body"),
     [
-        ("POST", "/v1/indexes/idem-2/documents/delete", {"ids": ["d"]}),
         ("PATCH", "/v1/indexes/idem-3", {"candidate_limit": 20}),
     ],
 )
 def test_an_idempotency_key_where_it_is_not_honoured_is_422_naming_it(
     stack: Stack, method: str, path: str, body: dict[str, Any]
 ) -> None:
-    """Only ``POST /v1/searches``, ``POST /v1/batches`` and an ingest honour
-    ``Idempotency-Key``; elsewhere it was silently ignored, so a client that sent it believed a
-    resend gave the same job and got a second. Now a ``POST`` or ``PATCH`` that does not take
-    it is refused before anything is done, naming the header and the routes that take it."""
+    """Only ``POST /v1/searches``, ``POST /v1/batches`` and the writes (an ingest, the
+    deletes) honour ``Idempotency-Key``; elsewhere it was silently ignored, so a client that
+    sent it believed a resend gave the same job and got a second. Now a ``POST`` or ``PATCH``
+    that does not take it is refused before anything is done, naming the header and the
+    routes that take it."""
     response = stack.live.request(method, path, json=body, headers=KEYED)
     assert response.status_code == 422, response.text
     error = response.json()["error"]
@@ -245,15 +245,25 @@ def test_an_ingest_sent_again_with_its_idempotency_key_answers_its_first_job(
     assert stack.live.get("/v1/indexes/idem-ingest-2", headers=ACME).status_code == 404
 
 
-def test_an_idempotency_key_on_a_read_or_a_delete_changes_nothing(
+def test_an_idempotency_key_on_a_read_changes_nothing_and_replays_a_delete(
     stack: Stack, corpus: object
 ) -> None:
-    """``GET``, ``HEAD`` and ``DELETE`` are idempotent by HTTP's definition (RFC 9110 9.2.2):
-    a key there has nothing to add, and is accepted as it was."""
+    """``GET`` and ``HEAD`` read: a key there has nothing to add, and is accepted as it was.
+    A ``DELETE`` is a write job: sent again with its key it answers its first job (a second
+    job, newer than an ingest of the id accepted in between, deleted what that wrote); the
+    key on another document's path is ``422``."""
     assert stack.live.get(f"/v1/indexes/{INDEX}", headers=KEYED).status_code == 200
     assert stack.live.head(f"/v1/indexes/{INDEX}", headers=KEYED).status_code == 200
-    gone = stack.live.delete(f"/v1/indexes/{INDEX}/documents/nobody", headers=KEYED)
-    assert gone.status_code == 202, gone.text  # a delete job, queued as without the key
+    keyed = {**ACME, "Idempotency-Key": "delete-nobody-1"}
+    gone = stack.live.delete(f"/v1/indexes/{INDEX}/documents/nobody", headers=keyed)
+    assert gone.status_code == 202, gone.text
+    again = stack.live.delete(f"/v1/indexes/{INDEX}/documents/nobody", headers=keyed)
+    assert again.status_code in (200, 202), again.text
+    assert again.json()["id"] == gone.json()["id"], again.text
+    assert again.headers["Idempotent-Replayed"] == "true"
+    other = stack.live.delete(f"/v1/indexes/{INDEX}/documents/nobody-2", headers=keyed)
+    assert other.status_code == 422, other.text
+    assert other.json()["error"]["field"] == "Idempotency-Key", other.text
 
 
 def test_an_encoded_slash_is_no_segment_boundary_on_the_job_routes(

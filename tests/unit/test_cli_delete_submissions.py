@@ -1,7 +1,7 @@
 """``sift documents delete`` sends a delete job's submission again only through a failure that
 proves the gateway did nothing with it: a connection not made in time, or the gateway's own
 ``503 job_store_full`` (Redis at its maxmemory refused the job's writes: nothing was stored).
-The gateway honours no Idempotency-Key on it: one sent again after an answer lost (a 504, a
+It is sent with no Idempotency-Key: one sent again after an answer lost (a 504, a
 read timeout, a ``503 unavailable``) made a second job, which deleted nothing
 (``tests/e2e/test_index_cli_deletes.py`` runs those orders against the real gateway)."""
 

@@ -271,9 +271,9 @@ class Gateway:
         ``retry_for``, a transient failure is sent again, backing off, for that many seconds
         (only for a request that is safe to repeat: a GET, or a POST with an Idempotency-Key).
         ``unapplied_only``: only one that provably did nothing at the gateway is sent again,
-        for a submission that is not safe to repeat (a delete job's: the gateway honours no
-        Idempotency-Key on it): one that never reached it (a connection refused or not made
-        in time), or that it refused storing nothing (``503 job_store_full`` or ``starting``).
+        for a submission that is not safe to repeat (a delete job's, sent with no
+        Idempotency-Key): one that never reached it (a connection refused or not made in time),
+        or that it refused storing nothing (``503 job_store_full`` or ``starting``).
         A 502, a 504, a read timeout or a 503 ``unavailable`` may follow a job the gateway
         made (a proxy's, or Redis stalling after the job's write), and a second one deletes
         nothing: it is not sent again."""

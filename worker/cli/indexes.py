@@ -147,11 +147,11 @@ def _submit_delete(client: Gateway, method: str, path: str, **kwargs: Any) -> di
     """A delete job's submission. Sent again only through a failure that proves the gateway
     did nothing with it: a connection not made, its ``503 job_store_full`` (Redis refused
     the job's writes) or ``503 starting`` (``sift gateway`` still waits for its Redis), whose
-    message, once the tries end, says nothing was stored. The gateway honours no
-    Idempotency-Key on it, so one sent again after an answer lost (a proxy's 502 or 504, a
-    read timeout, a ``503 unavailable`` from Redis stalling after the job's write) made a
-    second job, which deleted nothing, and the command then said the index did not exist.
-    Such a failure says the job may run."""
+    message, once the tries end, says nothing was stored. It carries no Idempotency-Key (the
+    gateway honours one on a delete; this command sends none yet), so one sent again after
+    an answer lost (a proxy's 502 or 504, a read timeout, a ``503 unavailable`` from Redis
+    stalling after the job's write) made a second job, which deleted nothing, and the
+    command then said the index did not exist. Such a failure says the job may run."""
     try:
         job: dict[str, Any] = client.json(
             method, path, params={"wait": MAX_WAIT_SECONDS}, fields=JOB_FIELDS,

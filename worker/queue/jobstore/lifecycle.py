@@ -25,6 +25,7 @@ from worker.constants import (
     INDEX_SIZE_KEY,
     INGEST_DOCS_KEY,
 )
+from worker.queue.jobstore.idempotency import IdempotencyRef
 from worker.queue.jobstore.ingests import IngestRecords
 from worker.queue.jobstore.records import Enqueue, IngestJob
 
@@ -39,14 +40,15 @@ class LifecycleRecords(IngestRecords):
         ids: Sequence[str] | None,
         *,
         enqueue: Enqueue | None = None,
+        claim: IdempotencyRef | None = None,
     ) -> IngestJob:
         """A job deleting ``ids`` from the tenant's index, or (``ids`` None) the tenant's
-        whole index."""
+        whole index; with ``claim``, its Idempotency-Key bound to it (as an upsert's)."""
         if ids is None:
-            return self._create_write(tenant, index, "drop", None, 0, enqueue)
+            return self._create_write(tenant, index, "drop", None, 0, enqueue, claim)
         unique = list(dict.fromkeys(ids))
         payload = json.dumps(unique, separators=(",", ":"))
-        return self._create_write(tenant, index, "delete", payload, len(unique), enqueue)
+        return self._create_write(tenant, index, "delete", payload, len(unique), enqueue, claim)
 
     def deletion_ids(self, job_id: str) -> list[str] | None:
         """The ids a delete job deletes; None once they expired."""
