@@ -21,8 +21,11 @@ from worker.errors import InvalidRequest
 
 IDEMPOTENCY_KEY = "Idempotency-Key"
 SINGLE_HEADERS = (IDEMPOTENCY_KEY,)  # each given at most once (checked_headers)
-# the routes that honour the key
-KEYED_ROUTES = "POST /v1/searches, POST /v1/batches and POST /v1/indexes/{index}/documents"
+# the POST routes that honour the key (and the DELETEs of a document or an index)
+KEYED_ROUTES = (
+    "POST /v1/searches, POST /v1/batches, POST /v1/indexes/{index}/documents and "
+    "POST /v1/indexes/{index}/documents/delete"
+)
 
 
 def _query_names(dependant: Dependant) -> frozenset[str]:
@@ -115,9 +118,9 @@ def checked_headers(request: Request, _tenant: Tenant) -> None:
     lines: a ``422`` naming it, as a repeated query parameter is. Before, one of the values
     was silently used and the other ignored. And refuse an ``Idempotency-Key`` on a ``POST``
     or ``PATCH`` whose route does not honour it, as an unknown query parameter is: ignored,
-    the client believed a resend gave back its first answer, and it ran again (``GET``,
-    ``HEAD`` and ``DELETE`` are idempotent by HTTP's definition: there it adds nothing and is
-    let be). After the key check (``_tenant``)."""
+    the client believed a resend gave back its first answer, and it ran again (``GET`` and
+    ``HEAD`` are idempotent by HTTP's definition: there it adds nothing and is let be; a
+    ``DELETE`` of a document or an index honours it). After the key check (``_tenant``)."""
     for name in SINGLE_HEADERS:
         times = len(request.headers.getlist(name))
         if times > 1:

@@ -162,9 +162,9 @@ async def submit_write(
     """Store an ingest-kind job (an upsert, a delete or a drop) as ``create`` makes it, and
     answer it. ``keyed``: the tenant, its ``Idempotency-Key`` (None: none), the request's
     route and its body as JSON: a request sent again with its key answers the job the first
-    one made (``Idempotent-Replayed``). Made again, it took a newer write version than a
-    write of the same ids accepted in between, and undid it: a resent upsert brought back
-    what a delete removed, a resent delete removed what an upsert wrote. ``admit``: refused
+    one made (``Idempotent-Replayed``): made again, it would take a newer write version than a
+    write of the same ids accepted in between, and undo it (a resent upsert would bring back
+    what a delete removed, a resent delete remove what an upsert wrote). ``admit``: refused
     when the job store is nearly full (an upsert's)."""
     tenant, key, route, body = keyed
     store = job_store(request)
