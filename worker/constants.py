@@ -232,6 +232,12 @@ ECONOMY_CANCEL_TASK = "sift.economy_cancel"  # on SEARCH_QUEUE: cancel a batch's
 ECONOMY_DELETE_TASK = "sift.economy_delete"
 REWRITE_TASK = "sift.rewrite_owed"  # on SEARCH_QUEUE: pay the rewrite an erase left owed
 CANCEL_COUNT_TASK = "sift.cancel_count"  # on BATCH_QUEUE: count what a batch's cancel ended
+# every task a worker runs: its sift_task_* series are made at zero when it starts
+TASK_NAMES = (
+    SEARCH_TASK, BATCH_CHUNK_TASK, INGEST_TASK, INDEX_READ_TASK, WEBHOOK_TASK,
+    ECONOMY_SUBMIT_TASK, ECONOMY_POLL_TASK, ECONOMY_CANCEL_TASK, ECONOMY_DELETE_TASK,
+    REWRITE_TASK, CANCEL_COUNT_TASK,
+)  # fmt: skip
 ALL_QUEUES = (SEARCH_QUEUE, BATCH_QUEUE, INGEST_QUEUE, WEBHOOK_QUEUE)
 # an ingest or delete task's soft time limit (seconds): its job's budget, which a backend's
 # own long wait (an Elasticsearch drop's delete task) stays within

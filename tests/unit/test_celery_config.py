@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.constants import ALL_QUEUES, BATCH_CHUNK_TASK, SEARCH_TASK, WEBHOOK_TASK
+from worker.constants import ALL_QUEUES, BATCH_CHUNK_TASK, SEARCH_TASK, TASK_NAMES, WEBHOOK_TASK
 from worker.errors import ConfigError
 from worker.queue.celery_app import create_celery_app
 from worker.queue.config import (
@@ -60,6 +60,13 @@ def test_tasks_are_registered_by_name() -> None:
     # every routed task, the economy lane's too: the app registers them (the tasks import
     # nothing of it)
     assert set(TASK_ROUTES) <= set(app.tasks)
+
+
+def test_every_task_is_one_a_worker_makes_its_task_series_for() -> None:
+    """A worker makes sift_task_retries_total at zero for TASK_NAMES when it starts: a task
+    left out would show no increase() at its first retry."""
+    app = create_celery_app(load_settings(redis_url="redis://127.0.0.1:1/0"))
+    assert set(TASK_NAMES) == {name for name in app.tasks if name.startswith("sift.")}
 
 
 def test_a_heartbeat_must_be_missed_several_times_before_a_worker_is_dead() -> None:

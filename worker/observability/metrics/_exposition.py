@@ -17,7 +17,7 @@ from prometheus_client import (
 )
 from prometheus_client.registry import Collector
 
-from worker.constants import ALL_QUEUES
+from worker.constants import ALL_QUEUES, TASK_NAMES
 from worker.observability.metrics._multiprocess import SweepingCollector, multiprocess_dir
 from worker.observability.metrics._series import preregister
 
@@ -80,6 +80,7 @@ def serve_worker_metrics(settings: WorkerMetricsSettings) -> None:
         backend=settings.search_backend,
         queues=ALL_QUEUES,
         native_fusion=settings.native_fusion,
+        tasks=TASK_NAMES,
     )
     start_worker_metrics_server(settings.worker_metrics_port)
     _serving.append(settings.worker_metrics_port)
