@@ -54,6 +54,11 @@ log = logging.getLogger(__name__)
 REDIS_MAX_CONNECTIONS = 128
 # how long the gateway waits for Redis's clock at its start before going on without it
 CLOCK_READ_TIMEOUT_SECONDS = 2.0
+# how long a /metrics scrape waits for each of its Redis reads (a few LLENs and counts, which
+# answer in milliseconds), well inside Prometheus's default scrape timeout (10 s): at the
+# gateway's own 10 s a silent Redis (stopped, cut off) made every scrape time out, so `up`
+# read 0 and the NaN backlog SiftBacklogUnknown reads was never scraped
+METRICS_REDIS_TIMEOUT_SECONDS = 2.0
 
 
 async def read_the_clock(store: AsyncJobStore, readings: int = 1) -> None:
@@ -129,7 +134,7 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if not logging.getLogger().handlers:  # uvicorn sets up only its own loggers
             configure_logging(settings.log_level)
-        store, async_store = _stores(settings, redis, async_redis)
+        store, async_store, metrics_store = _stores(settings, redis, async_redis)
         # the task messages go through the job store, in the record's MULTI
         sender = OutboxSender(store)
         if not len(keyring):
@@ -138,6 +143,7 @@ def create_app(
                 "every request will be refused"
             )
         app.state.store = store
+        app.state.metrics_store = metrics_store
         app.state.async_store = async_store
         app.state.backlog = Backlog(
             async_store.hold_backlog, async_store.release_backlog, settings.max_backlog
@@ -166,6 +172,7 @@ def create_app(
             sender.close()
             if redis is None:
                 store.close()
+                metrics_store.close()
                 await async_store.close()
 
     app = FastAPI(
@@ -224,11 +231,14 @@ def serve(start_checks: Callable[[], bool] | None = None) -> FastAPI:
 
 def _stores(
     settings: Settings, redis: redis.Redis | None, async_redis: redis.asyncio.Redis | None
-) -> tuple[JobStore, AsyncJobStore]:
-    """The gateway's job stores: on the clients a test passes, else on ``SIFT_REDIS_URL``."""
+) -> tuple[JobStore, AsyncJobStore, JobStore]:
+    """The gateway's job stores: on the clients a test passes, else on ``SIFT_REDIS_URL``; the
+    third is the one ``/metrics`` reads, on a client of its own whose commands wait at most
+    :data:`METRICS_REDIS_TIMEOUT_SECONDS` (a test's store, as it is)."""
     if redis is not None and async_redis is not None:
         kept = settings.result_retention_seconds
-        return JobStore(redis, result_ttl=kept), AsyncJobStore(async_redis, result_ttl=kept)
+        store = JobStore(redis, result_ttl=kept)
+        return store, AsyncJobStore(async_redis, result_ttl=kept), store
     if redis is not None or async_redis is not None:
         raise ConfigError("create_app: pass both redis and async_redis, or neither")
     if not settings.redis_url:
@@ -241,4 +251,6 @@ def _stores(
     async_store = AsyncJobStore.from_url(
         settings.redis_url, max_connections=most, socket_timeout=timeout, result_ttl=kept
     )
-    return store, async_store
+    scrape = min(timeout, METRICS_REDIS_TIMEOUT_SECONDS)
+    metrics_store = JobStore.from_url(settings.redis_url, socket_timeout=scrape, result_ttl=kept)
+    return store, async_store, metrics_store

@@ -90,7 +90,7 @@ async def prometheus(request: Request) -> Response:
     settings: Settings = request.app.state.settings
     metrics: GatewayMetrics = request.app.state.metrics
     require_metrics_token(request, settings.metrics_token)
-    store: JobStore = request.app.state.store
+    store: JobStore = request.app.state.metrics_store
 
     def render() -> bytes:
         try:  # "queued", the backlog and the refused deletes are the store's to report
