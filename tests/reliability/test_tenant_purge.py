@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -257,6 +258,38 @@ def test_a_purge_without_the_backends_data_folder_erases_nothing(tmp_path: Path)
         assert "SIFT_DATA_DIR" in purged.stderr and "Traceback" not in purged.stderr
         assert sorted(client.scan_iter()) == before
         assert not list(elsewhere.rglob("sift.db")), list(elsewhere.rglob("*"))
+
+
+def test_a_purge_given_another_folder_than_the_live_workers_erases_nothing(
+    tmp_path: Path,
+) -> None:
+    """Given a SIFT_DATA_DIR holding a sift.db that is not the folder the live workers serve
+    (one a refused `sift worker` left, a copy, a developer's), the purge dropped the tenant's
+    indexes there, none, deleted every Redis record and exited 0, its documents left in the
+    workers' folder. It stops before erasing anything now, naming the workers' folder; given
+    that folder, it runs."""
+    served, other = tmp_path / "served", tmp_path / "other"
+    other.mkdir()
+    sqlite3.connect(other / "sift.db").close()
+    with redis_server(tmp_path / "redis") as base_url:
+        url = base_url + "/0"
+        env = {"SIFT_REDIS_URL": url, "SIFT_DATA_DIR": str(served)}
+        with celery_worker(tmp_path, {**env, "SIFT_WORKER_METRICS_PORT": "0"}, "w"):
+            client = redis.Redis.from_url(url, decode_responses=True)
+            next_write_version(client, "acme")
+            counter = "sift:write-version:acme"
+            assert client.exists(counter)
+
+            purged = _purge({**env, "SIFT_DATA_DIR": str(other)}, "acme", "--yes")
+            assert purged.returncode == 1, purged.stdout + purged.stderr
+            said = " ".join(purged.stderr.split())
+            assert "SIFT_DATA_DIR" in said and str(served.resolve()) in said, said
+            assert "Traceback" not in purged.stderr
+            assert client.exists(counter)  # nothing erased
+
+            purged = _purge(env, "acme", "--yes")  # the workers' own folder
+            assert purged.returncode == 0, purged.stdout + purged.stderr
+            assert not client.exists(counter)
 
 
 def test_an_ingest_into_a_new_index_running_at_the_purge_lands_nothing_after_it(

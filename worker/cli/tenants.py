@@ -23,13 +23,14 @@ documents for good), and a tenant given the same name later inherits them. This 
    at the provider once ended (``sift.economy_delete``, as an erase does): the provider keeps
    their requests and results, the queries and candidates' text, 29 days;
 2. each of its indexes is dropped through the backend's own drop (a write version taken as
-   the gateway's drop takes one, so the floor it leaves makes a write accepted before it land
-   nothing), on Elasticsearch those holding no document too (not listed, but still indexes
-   of the tenant's, until deleted), its own settings with it (on the embedded backend, a
-   data folder with no database stops the purge before it starts: it is not the workers'
-   folder); and so is each index one of its ingest or delete jobs that no worker ended
-   names, holding a document or not: an ingest into a new index a worker was running went
-   on to write every document after the purge, the index having no floor;
+   the gateway's drop takes one, so the floor it leaves makes a write accepted before it
+   land nothing), on Elasticsearch those holding no document too (not listed, but still
+   indexes of the tenant's, until deleted), its own settings with it (on the embedded
+   backend, a data folder with no database, or not the one the live workers on its Redis
+   serve, stops the purge before it starts: it is not the workers' folder); and so is each
+   index one of its ingest or delete jobs that no worker ended names, holding a document or
+   not: an ingest into a new index a worker was running went on to write every document
+   after the purge, the index having no floor;
 3. every Redis key that names the tenant or one of its jobs is deleted
    (:mod:`worker.queue.jobstore.tenants` lists the families), and Redis is asked to rewrite
    its files, whose AOF still holds the writes of what went (at most once every
@@ -68,6 +69,7 @@ from worker.constants import (
 )
 from worker.core.ports import IndexCatalog
 from worker.errors import ConfigError, SiftError
+from worker.queue import data_folder
 from worker.queue.jobstore import JobStore, Rewrite, TenantJobs, owe_rewrite
 from worker.queue.jobstore.jobindex import KIND_BATCH
 from worker.queue.jobstore.rewrite import schedule_payment
@@ -252,6 +254,21 @@ def _embedded_exists(data_dir: Path) -> bool:
     return (data_dir / DB_FILE).is_file()
 
 
+def _require_served_folder(client: redis.Redis, data_dir: Path) -> None:
+    """Stop (exit 1, nothing erased) a purge whose ``data_dir`` is not the folder the live
+    workers on its Redis serve (:mod:`worker.queue.data_folder`): it dropped the tenant's
+    indexes there, none, deleted every Redis record and exited 0, the documents left in the
+    workers' folder for the next tenant given the name to search. With no live worker, no
+    folder is named in Redis and this cannot tell."""
+    live = data_folder.served(client)
+    if live is not None and live.id != data_folder.stored_id(data_dir.resolve()):
+        _stop(
+            f"SIFT_DATA_DIR ({data_dir.resolve()}) is not the data folder the live workers on "
+            f"this Redis serve ({plain(live.where)}): set SIFT_DATA_DIR to that folder "
+            "(nothing was erased)"
+        )
+
+
 def _where(settings: Settings) -> str:
     if settings.search_backend == "elasticsearch":
         return f"elasticsearch at {settings.elasticsearch_url}"
@@ -306,6 +323,8 @@ def purge(
     client = redis.Redis.from_url(url, **CONNECTION_OPTIONS)
     store = JobStore(client, result_ttl=settings.result_retention_seconds)
     try:
+        if settings.search_backend != "elasticsearch":
+            _require_served_folder(client, settings.data_dir)
         jobs = store.tenant_jobs(name)
         canceled = store.cancel_tenant_jobs(jobs)
         canceled["provider batch"] = _cancel_provider_batches(settings, store, jobs)

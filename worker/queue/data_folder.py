@@ -103,6 +103,23 @@ def folder_id(data_dir: Path) -> str:
     return path.read_text().strip()
 
 
+def stored_id(data_dir: Path) -> str | None:
+    """``data_dir``'s id if a worker ever served it, made none (:func:`folder_id` makes one)."""
+    try:
+        return (data_dir / FOLDER_ID_FILE).read_text().strip()
+    except FileNotFoundError:
+        return None
+
+
+def served(client: redis.Redis) -> DataFolder | None:
+    """The folder the live workers on ``client``'s Redis serve; None while none holds it."""
+    held = client.get(DATA_FOLDER_KEY)
+    if not held:
+        return None
+    folder_id, _, where = (held.decode() if isinstance(held, bytes) else str(held)).partition(" ")
+    return DataFolder(folder_id, where)
+
+
 def start_holder(pid: int | None = None) -> str:
     """The holder a starting ``sift worker`` (process ``pid``, this one by default) claims by,
     until its processes beat: the first beat of each drops its own process's and its
