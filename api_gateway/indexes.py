@@ -357,7 +357,7 @@ async def _delete_job(
             tenant, index, ids, enqueue=enqueue, claim=claim
         ),
         wait,
-        admit=False,
+        admit=None,  # a delete is taken still: it frees room
     )
 
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 from collections.abc import Callable
 from typing import Annotated
 
 from fastapi import Path, Request, Response
 
+from api_gateway.backpressure import STORED_FACTOR
 from api_gateway.deps import (
     ERRORS,
     REPLAYED_HEADER,
@@ -27,8 +30,8 @@ from api_gateway.jobs._idempotency import IdemKey, _Idempotency
 from api_gateway.jobs._shared import (
     JobIdPath,
     _create_and_enqueue,
+    _in_store,
     _lost,
-    room_for_new_work,
     router,
 )
 from api_gateway.schemas import DocumentsRequest, IngestJobOut, iso
@@ -138,6 +141,10 @@ async def upsert_documents(
         first_at[doc.id] = i
         if is_blank(doc.text):
             raise InvalidRequest(f"documents[{i}].text", BLANK)
+    # its documents wait in Redis for a worker: priced at the body's bytes as Redis holds
+    # them (a text JSON escapes weighs more there), or ingests would take Redis past the
+    # 90 % kept for the jobs running, into its maxmemory
+    adding = len(await request.body()) * STORED_FACTOR
     store = job_store(request)
     route = f"POST /v1/indexes/{index}/documents"
     return await submit_write(
@@ -147,7 +154,7 @@ async def upsert_documents(
             tenant, index, body.documents, enqueue=enqueue, claim=claim
         ),
         wait,
-        admit=True,  # a delete is taken still: it frees room
+        admit=(adding, f"this ingest of {len(body.documents)} documents"),
     )
 
 
@@ -157,15 +164,16 @@ async def submit_write(
     create: Callable[[Enqueue | None, IdempotencyRef | None], IngestJob],
     wait: float,
     *,
-    admit: bool,
+    admit: tuple[float, str] | None,
 ) -> Response:
     """Store an ingest-kind job (an upsert, a delete or a drop) as ``create`` makes it, and
     answer it. ``keyed``: the tenant, its ``Idempotency-Key`` (None: none), the request's
     route and its body as JSON: a request sent again with its key answers the job the first
     one made (``Idempotent-Replayed``): made again, it would take a newer write version than a
     write of the same ids accepted in between, and undo it (a resent upsert would bring back
-    what a delete removed, a resent delete remove what an upsert wrote). ``admit``: refused
-    when the job store is nearly full (an upsert's)."""
+    what a delete removed, a resent delete remove what an upsert wrote). ``admit``: the bytes
+    the job adds to Redis and what it is, refused when they would fill the job store (an
+    upsert's; a delete is taken still: it frees room)."""
     tenant, key, route, body = keyed
     store = job_store(request)
     # an upsert's body is up to 32 MB: its fingerprint is made off the event loop
@@ -174,9 +182,13 @@ async def submit_write(
     job_id = await idem.earlier_job()
     if job_id is None:
         try:
-            if admit:
-                await room_for_new_work(request)
-            job = await enqueue_ingest(request, lambda enqueue: create(enqueue, idem.ref))
+            admitted = (
+                _in_store(request, math.ceil(admit[0]), admit[1], "documents")
+                if admit is not None
+                else contextlib.nullcontext()
+            )
+            async with admitted:
+                job = await enqueue_ingest(request, lambda enqueue: create(enqueue, idem.ref))
         except IdempotencyKeyBound as bound:
             job_id = idem.bound_job(bound)
         except BaseException:

@@ -240,11 +240,19 @@ async def _admitted(
     429 with ``Retry-After`` when ``items`` more would pass the backlog limit; else the block
     stores their job (:func:`_in_backlog`), its bytes counted as this gateway's until it
     ends (:meth:`StoreMemory.storing`)."""
+    async with _in_store(request, adding, what, field), _in_backlog(request, items):
+        yield
+
+
+@contextlib.asynccontextmanager
+async def _in_store(request: Request, adding: int, what: str, field: str) -> AsyncIterator[None]:
+    """503 when Redis is nearly full, or would be with the ``adding`` bytes of ``what`` (a 422
+    naming ``field`` for one that never fits: :func:`room_for_new_work`); else the block stores
+    the job, its bytes counted as this gateway's until it ends (:meth:`StoreMemory.storing`)."""
     await room_for_new_work(request, adding, what, field)
     memory: StoreMemory | None = getattr(request.app.state, "memory", None)
     with memory.storing(adding) if memory is not None else contextlib.nullcontext():
-        async with _in_backlog(request, items):
-            yield
+        yield
 
 
 @contextlib.asynccontextmanager

@@ -326,3 +326,36 @@ def test_a_batch_s_results_still_read_on_a_full_job_store(
         ("r1", "queued"),
         ("r2", "queued"),
     ], lines
+
+
+def test_an_ingest_whose_documents_would_fill_the_job_store_is_refused(
+    client: TestClient, store: JobStore
+) -> None:
+    """An ingest's documents wait in Redis for a worker, up to 32 MB a request, and were
+    priced at nothing: at 85 % of maxmemory an ingest of 6 % of it was taken, past the 90 %
+    kept for the jobs running (several at once reach maxmemory, where the workers' writes
+    are refused). Its bytes are counted now: one that would pass the 90 % is refused, nothing
+    stored; a smaller one is still taken."""
+    store.redis.setrange("ballast", 20_000_000 - 1, b"x")  # grown in place: see nearly_full
+    limit = int(int(store.redis.info("memory")["used_memory"]) / 0.85)
+    store.redis.config_set("maxmemory", limit)
+
+    def ingest(size: int) -> dict[str, object]:
+        count = -(-size // 90_000)
+        return {"documents": [{"id": f"d{i}", "text": "x" * 90_000} for i in range(count)]}
+
+    try:
+        keys = sorted(store.redis.keys())
+        refused = client.post(
+            "/v1/indexes/docs/documents", json=ingest(limit * 6 // 100), headers=ACME
+        )
+        assert refused.status_code == 503, refused.text
+        error = refused.json()["error"]
+        assert error["type"] == "job_store_full", error
+        assert "this ingest of" in error["message"] and "past 90%" in error["message"], error
+        assert sorted(store.redis.keys()) == keys
+        taken = client.post("/v1/indexes/docs/documents", json=ingest(limit // 50), headers=ACME)
+        assert taken.status_code == 202, taken.text
+    finally:
+        store.redis.config_set("maxmemory", 0)
+        store.redis.delete("ballast")
