@@ -147,7 +147,6 @@ async def create_batch(
     )
     body, items = parsed.head, parsed.items
     rerank = _rerank_of(settings, body.rerank)  # as each item's spec says it
-    await _check_url(request, settings, body.webhook_url, tenant)
     idem = _Idempotency(store, tenant, idempotency_key, parsed.fingerprint)
     batch_id = await idem.earlier_job()
     made: BatchJob | None = None  # by this request
@@ -161,6 +160,8 @@ async def create_batch(
             ]
 
         try:
+            # a new job's only: a resend by its key gets the job its URL was checked for
+            await _check_url(request, settings, body.webhook_url, tenant)
             adding, owed, what = await results_size(
                 request,
                 tenant,

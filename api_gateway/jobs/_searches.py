@@ -108,13 +108,14 @@ async def create_search(
     ``wait`` seconds."""
     settings, store = app_settings(request), job_store(request)
     rerank = _rerank_of(settings, body.rerank)
-    await _check_url(request, settings, body.webhook_url, tenant)
     idem = _Idempotency.of(store, tenant, idempotency_key, "POST /v1/searches", body)
     job_id = await idem.earlier_job()
     fresh: SearchJob | None = None
     if job_id is None:
         async_store = async_job_store(request)
         try:
+            # a new job's only: a resend by its key gets the job its URL was checked for
+            await _check_url(request, settings, body.webhook_url, tenant)
             asked = body.model_dump(exclude={"webhook_url"})
             spec = SearchSpec.model_validate({**asked, "rerank": rerank})
             adding, owed, what = await results_size(  # priced as a batch of one, by its index

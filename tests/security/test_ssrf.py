@@ -179,6 +179,34 @@ def test_registration_accepts_a_public_address_and_contacts_nothing(
     assert not [a for a in connects if isinstance(a, tuple) and a[0] == "93.184.216.34"]
 
 
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("/v1/searches", {"index": INDEX, "query": "q"}),
+        ("/v1/batches", {"index": INDEX, "queries": [{"id": "a", "query": "q"}]}),
+    ],
+)
+def test_a_resend_by_its_idempotency_key_replays_the_job_whatever_its_url_resolves_to_now(
+    inprocess_gateway: TestClient, monkeypatch: pytest.MonkeyPatch, route: str, body: Any
+) -> None:
+    """A resend with the first request's Idempotency-Key gets that job: the URL was checked
+    when the job was made. It was checked again first, so once the host resolved to a private
+    address (or not at all, or its lookup timed out), the resend was a 422 naming
+    ``webhook_url`` (or a 503) while the job it had made ran: the client took it as never made."""
+    body = {**body, "webhook_url": "https://hooks.example/sift"}
+    headers = {**ACME, "Idempotency-Key": f"resend-{route}"}
+    monkeypatch.setattr(socket, "getaddrinfo", fake_dns({"hooks.example": ["93.184.216.34"]}))
+    first = inprocess_gateway.post(route, json=body, headers=headers)
+    assert first.status_code == 202, first.text
+    monkeypatch.setattr(socket, "getaddrinfo", fake_dns({"hooks.example": ["10.0.0.7"]}))
+    again = inprocess_gateway.post(route, json=body, headers=headers)
+    assert again.status_code == 202, again.text
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.json()["id"] == first.json()["id"]
+    fresh = inprocess_gateway.post(route, json=body, headers=ACME)  # a new job: checked
+    _assert_refused_by_gateway(fresh, "10.0.0.7")
+
+
 def test_registration_whose_name_lookup_hangs_is_a_503_at_the_connect_timeout(
     stack: Stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
