@@ -105,6 +105,10 @@ class Backlog:
                 log.warning("backpressure: a backlog hold was not dropped (%s)", exc)
 
 
+#: What a search's or batch's bytes hold, and how to send one that never fits, as its refusal
+#: says them (an ingest's are its documents: api_gateway/jobs/_documents.py)
+RESULTS = "with its results"
+SMALLER = "send its queries in smaller batches (a search: ask for fewer hits)"
 #: New jobs are refused past this share of Redis's ``maxmemory``: at the limit itself Redis
 #: refuses the workers' writes too (a result, a move, a heartbeat), and the jobs already
 #: queued could not end. What is left is theirs.
@@ -315,8 +319,10 @@ class StoreFull(Exception):
     ``str()`` is the log's line, with what Redis holds; :attr:`public` is the client's,
     without it."""
 
-    def __init__(self, used: int, limit: int, adding: int = 0, what: str = "") -> None:
-        self.adding, self.what = adding, what
+    def __init__(
+        self, used: int, limit: int, adding: int = 0, what: str = "", holds: str = RESULTS
+    ) -> None:
+        self.adding, self.what, self.holds = adding, what, holds
         held = f"Redis holds {used / limit:.0%} of its maxmemory, with the results owed"
         super().__init__(self._said(f"{held} ({_mb(limit)})"))
 
@@ -333,7 +339,7 @@ class StoreFull(Exception):
             said = (
                 f"the job store has no room for {self.what}: "
                 + (f"{held}, " if held else "")
-                + f"it would add about {_mb(self.adding)} with its results, and {line}"
+                + f"it would add about {_mb(self.adding)} {self.holds}, and {line}"
             )
         else:
             said = "the job store is nearly full: " + (f"{held}, and " if held else "") + line
@@ -345,12 +351,13 @@ class TooLargeForStore(Exception):
     ``maxmemory``: no retry admits it, however much Redis frees (answer 422 naming its
     queries, a search's limit)."""
 
-    def __init__(self, limit: int, adding: int, what: str) -> None:
+    def __init__(
+        self, limit: int, adding: int, what: str, holds: str = RESULTS, smaller: str = SMALLER
+    ) -> None:
         super().__init__(
-            f"{what} would take about {_mb(adding)} of the job store with its results, more "
-            f"than the {MEMORY_ADMITTED:.0%} of Redis's maxmemory ({_mb(limit)}) new jobs "
-            "may fill, so no retry admits it: send its queries in smaller batches (a search: "
-            "ask for fewer hits), or give Redis a larger maxmemory"
+            f"{what} would take about {_mb(adding)} of the job store {holds}, more than the "
+            f"{MEMORY_ADMITTED:.0%} of Redis's maxmemory ({_mb(limit)}) new jobs may fill, so "
+            f"no retry admits it: {smaller}, or give Redis a larger maxmemory"
         )
 
 
@@ -368,16 +375,19 @@ class StoreMemory:
         # reading counts the difference as it stood at its start and since (see storing)
         self._admitted, self._stored = 0, 0
 
-    async def admit(self, adding: int = 0, what: str = "") -> None:
+    async def admit(
+        self, adding: int = 0, what: str = "", holds: str = RESULTS, smaller: str = SMALLER
+    ) -> None:
         """Admit a job that will add about ``adding`` bytes (``what``: the job, as its
-        refusal names it), or raise :class:`StoreFull` (:class:`TooLargeForStore` when it
+        refusal names it, ``holds`` what those bytes hold, ``smaller`` how to send it in
+        parts), or raise :class:`StoreFull` (:class:`TooLargeForStore` when it
         alone would pass the share). What it admits is added to the cached reading, so the
         requests before the next reading are judged with it."""
         await self.limited()
         if self._limit and adding >= MEMORY_ADMITTED * self._limit:
-            raise TooLargeForStore(self._limit, adding, what)
+            raise TooLargeForStore(self._limit, adding, what, holds, smaller)
         if self._limit and self._used + adding >= MEMORY_ADMITTED * self._limit:
-            raise StoreFull(self._used, self._limit, adding, what)
+            raise StoreFull(self._used, self._limit, adding, what, holds)
         self._used += adding
         self._admitted += adding
 

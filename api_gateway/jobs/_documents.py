@@ -48,6 +48,9 @@ from worker.queue.jobstore import (
     fingerprint,
 )
 
+# what an upsert's bytes hold and how to send one that never fits, as its refusal says them
+UPSERT_WORDS = ("as its documents wait for a worker", "send its documents in smaller requests")
+
 log = logging.getLogger(__package__)  # api_gateway.jobs: one logger for the job routes
 
 
@@ -183,7 +186,7 @@ async def submit_write(
     if job_id is None:
         try:
             admitted = (
-                _in_store(request, math.ceil(admit[0]), admit[1], "documents")
+                _in_store(request, math.ceil(admit[0]), admit[1], "documents", *UPSERT_WORDS)
                 if admit is not None
                 else contextlib.nullcontext()
             )

@@ -17,7 +17,9 @@ from fastapi import APIRouter, Path, Request
 from api_gateway.backpressure import (
     FULL_RETRY_AFTER_SECONDS,
     HIT_OVERHEAD_BYTES,
+    RESULTS,
     RETRY_AFTER_SECONDS,
+    SMALLER,
     Backlog,
     BacklogFull,
     StoreFull,
@@ -207,7 +209,12 @@ async def results_size(
 
 
 async def room_for_new_work(
-    request: Request, adding: int = 0, what: str = "", field: str = "queries"
+    request: Request,
+    adding: int = 0,
+    what: str = "",
+    field: str = "queries",
+    holds: str = RESULTS,
+    smaller: str = SMALLER,
 ) -> None:
     """503 ``job_store_full`` with ``Retry-After`` when Redis holds 90 % of its ``maxmemory``
     or more, or would with the ``adding`` bytes of ``what`` (a search or batch:
@@ -218,7 +225,7 @@ async def room_for_new_work(
     if memory is None:
         return
     try:
-        await memory.admit(adding, what)
+        await memory.admit(adding, what, holds, smaller)
     except TooLargeForStore as exc:
         raise InvalidRequest(field, str(exc)) from exc
     except StoreFull as exc:
@@ -245,11 +252,18 @@ async def _admitted(
 
 
 @contextlib.asynccontextmanager
-async def _in_store(request: Request, adding: int, what: str, field: str) -> AsyncIterator[None]:
+async def _in_store(
+    request: Request,
+    adding: int,
+    what: str,
+    field: str,
+    holds: str = RESULTS,
+    smaller: str = SMALLER,
+) -> AsyncIterator[None]:
     """503 when Redis is nearly full, or would be with the ``adding`` bytes of ``what`` (a 422
     naming ``field`` for one that never fits: :func:`room_for_new_work`); else the block stores
     the job, its bytes counted as this gateway's until it ends (:meth:`StoreMemory.storing`)."""
-    await room_for_new_work(request, adding, what, field)
+    await room_for_new_work(request, adding, what, field, holds, smaller)
     memory: StoreMemory | None = getattr(request.app.state, "memory", None)
     with memory.storing(adding) if memory is not None else contextlib.nullcontext():
         yield

@@ -335,7 +335,7 @@ def test_an_ingest_whose_documents_would_fill_the_job_store_is_refused(
     priced at nothing: at 85 % of maxmemory an ingest of 6 % of it was taken, past the 90 %
     kept for the jobs running (several at once reach maxmemory, where the workers' writes
     are refused). Its bytes are counted now: one that would pass the 90 % is refused, nothing
-    stored; a smaller one is still taken."""
+    stored, its message saying what the bytes are; a smaller one is still taken."""
     store.redis.setrange("ballast", 20_000_000 - 1, b"x")  # grown in place: see nearly_full
     limit = int(int(store.redis.info("memory")["used_memory"]) / 0.85)
     store.redis.config_set("maxmemory", limit)
@@ -353,6 +353,7 @@ def test_an_ingest_whose_documents_would_fill_the_job_store_is_refused(
         error = refused.json()["error"]
         assert error["type"] == "job_store_full", error
         assert "this ingest of" in error["message"] and "past 90%" in error["message"], error
+        assert "as its documents wait for a worker" in error["message"], error  # no results
         assert sorted(store.redis.keys()) == keys
         taken = client.post("/v1/indexes/docs/documents", json=ingest(limit // 50), headers=ACME)
         assert taken.status_code == 202, taken.text
