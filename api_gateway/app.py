@@ -56,8 +56,8 @@ REDIS_MAX_CONNECTIONS = 128
 CLOCK_READ_TIMEOUT_SECONDS = 2.0
 # how long a /metrics scrape waits for each of its Redis reads (a few LLENs and counts, which
 # answer in milliseconds), well inside Prometheus's default scrape timeout (10 s): at the
-# gateway's own 10 s a silent Redis (stopped, cut off) made every scrape time out, so `up`
-# read 0 and the NaN backlog SiftBacklogUnknown reads was never scraped
+# gateway's own 10 s a silent Redis (stopped, cut off) would time every scrape out, `up` would
+# read 0, and the NaN backlog SiftBacklogUnknown reads would never be scraped
 METRICS_REDIS_TIMEOUT_SECONDS = 2.0
 
 

@@ -232,7 +232,7 @@ ECONOMY_CANCEL_TASK = "sift.economy_cancel"  # on SEARCH_QUEUE: cancel a batch's
 ECONOMY_DELETE_TASK = "sift.economy_delete"
 REWRITE_TASK = "sift.rewrite_owed"  # on SEARCH_QUEUE: pay the rewrite an erase left owed
 CANCEL_COUNT_TASK = "sift.cancel_count"  # on BATCH_QUEUE: count what a batch's cancel ended
-# every task a worker runs: its sift_task_* series are made at zero when it starts
+# every task a worker runs: its sift_task_retries_total series is made at zero when it starts
 TASK_NAMES = (
     SEARCH_TASK, BATCH_CHUNK_TASK, INGEST_TASK, INDEX_READ_TASK, WEBHOOK_TASK,
     ECONOMY_SUBMIT_TASK, ECONOMY_POLL_TASK, ECONOMY_CANCEL_TASK, ECONOMY_DELETE_TASK,

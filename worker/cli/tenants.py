@@ -256,16 +256,17 @@ def _embedded_exists(data_dir: Path) -> bool:
 
 def _require_served_folder(client: redis.Redis, data_dir: Path) -> None:
     """Stop (exit 1, nothing erased) a purge whose ``data_dir`` is not the folder the live
-    workers on its Redis serve (:mod:`worker.queue.data_folder`): it dropped the tenant's
-    indexes there, none, deleted every Redis record and exited 0, the documents left in the
+    workers on its Redis serve (:mod:`worker.queue.data_folder`): it would drop the tenant's
+    indexes there, none, delete every Redis record and exit 0, the documents left in the
     workers' folder for the next tenant given the name to search. With no live worker, no
     folder is named in Redis and this cannot tell."""
     live = data_folder.served(client)
     if live is not None and live.id != data_folder.stored_id(data_dir.resolve()):
-        _stop(
+        stop(
             f"SIFT_DATA_DIR ({data_dir.resolve()}) is not the data folder the live workers on "
             f"this Redis serve ({plain(live.where)}): set SIFT_DATA_DIR to that folder "
-            "(nothing was erased)"
+            "(nothing was erased)",
+            EXIT_ERROR,
         )
 
 
