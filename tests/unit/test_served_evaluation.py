@@ -302,3 +302,38 @@ def test_results_cut_before_the_window_leave_the_conditional_row_unknown(tmp_pat
     assert row.count("–") == 4 and "1.000" not in row, run.output
     said = " ".join(run.output.split())
     assert "–: unknown: the results hold only" in said, said
+
+
+def test_candidate_recall_of_results_cut_before_the_window_is_marked_a_lower_bound(
+    tmp_path: Path,
+) -> None:
+    """Two hits of an unreranked search (a batch of limit 2), the window 30: q1 holds its
+    relevant a, q2 holds neither of its relevant x and y, which its window may hold. The
+    end-to-end recall (0.5) and the queries with a relevant candidate (1 of 2) count only what
+    the results hold: lower bounds, marked ``≥`` as the channels' are; q1 alone is exact."""
+    lines = [
+        {"query_id": "q1", "status": "succeeded",
+         "result": result(hit("a", 1, 1, 1, 1), hit("b", 2, 2, 2, 2))},
+        {"query_id": "q2", "status": "succeeded",
+         "result": result(hit("c", 1, 1, 1, 1), hit("d", 2, 2, 2, 2))},
+    ]  # fmt: skip
+    qrels = {"q1": {"a": 1}, "q2": {"x": 1, "y": 1}}
+    report = score_results(lines, qrels)
+    assert report["candidate_recall"]["end_to_end"] == 0.5
+    assert report["candidate_recall"]["lower_bound"] == [
+        "end_to_end",
+        "queries_with_a_relevant_candidate",
+    ]
+    assert score_results(lines[:1], {"q1": {"a": 1}})["candidate_recall"]["lower_bound"] == []
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (tmp_path / "qrels.tsv").write_text(
+        "query-id\tcorpus-id\tscore\nq1\ta\t1\nq2\tx\t1\nq2\ty\t1\n"
+    )
+    args = ["eval", "--results", str(tmp_path / "results.jsonl")]
+    said = CliRunner().invoke(
+        app, [*args, "--qrels", str(tmp_path / "qrels.tsv")], env={"COLUMNS": "250"}
+    )
+    assert said.exit_code == 0, said.output
+    text = " ".join(said.output.split())
+    assert "candidate recall@30 (end-to-end): ≥0.500; queries with a relevant candidate in " \
+        "the window: ≥1/2" in text, text  # fmt: skip

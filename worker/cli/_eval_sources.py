@@ -219,10 +219,13 @@ def _print_report(report: dict[str, Any]) -> None:
         )
     recall = report["candidate_recall"]
     reached = recall["queries_with_a_relevant_candidate"]
+    bounds = recall.get("lower_bound") or ()  # results cut before the window
+    end_to_end = _figure(recall["end_to_end"], "end_to_end" in bounds)
+    at_least = "≥" if "queries_with_a_relevant_candidate" in bounds else ""
     console.print(
-        f"candidate recall@{recall['window']} (end-to-end): {_figure(recall['end_to_end'])}; "
+        f"candidate recall@{recall['window']} (end-to-end): {end_to_end}; "
         f"queries with a relevant candidate in the window: "
-        f"{'–' if reached is None else reached}/{report['queries']}"
+        f"{'–' if reached is None else f'{at_least}{reached}'}/{report['queries']}"
     )
     by_ranking = recall.get("by_ranking") or {}
     if len(by_ranking) > 1:

@@ -476,6 +476,7 @@ def score_rankings(
         "candidates_held": min(
             (len(candidates.get(qid, [])[:window]) for qid in judged), default=0
         ),
+        "lower_bound": [],  # the figures above a cut short of the window leaves lower bounds
     }
     report["candidate_recall"]["by_ranking"] = {
         name: _mean(_recalls_at(window, qrel_list, runs[name], judged))
@@ -755,7 +756,7 @@ def score_results(
     if fused_unknown:
         _leave_fused_unknown(report)
     elif not fused_as_reranked:
-        _leave_conditional_unknown_if_cut(report, per_run["fused"], qrels, judged, failed)
+        _mark_what_a_cut_leaves_unknown(report, per_run["fused"], qrels, judged, failed)
     report["lower_bounds"] = {
         name: [str(m) for m in MEASURES if report["depth"][name] < m["cutoff"]]
         for name in ("bm25", "knn", "fused")
@@ -791,32 +792,39 @@ def _leave_fused_unknown(report: dict[str, Any]) -> None:
     )
 
 
-def _leave_conditional_unknown_if_cut(
+def _mark_what_a_cut_leaves_unknown(
     report: dict[str, Any],
     fused: dict[str, list[str]],
     qrels: dict[str, dict[str, int]],
     judged: list[str],
     failed: set[str],
 ) -> None:
-    """Blank the conditional row when the results stop short of the window for a query none
-    of whose held candidates is relevant (a batch of limit 10, a window of 30): whether its
-    window holds a relevant one is unknown (averaged over the queries answered in the
-    candidates held alone, SciFact at limit 10 reads 0.818 over 261 claims, against 0.773
-    over the window's 275)."""
-    window = report["candidate_recall"]["window"]
-    unknown = [
-        qid
-        for qid in judged
-        if qid not in failed
-        and len(fused[qid]) < window
-        and not any(qrels[qid].get(doc, 0) >= 1 for doc in fused[qid])
-    ]
+    """What results that stop short of the window for a query (a batch of limit 10, a
+    window of 30) cannot tell. One missing a relevant document among its held candidates
+    may hold it in the window: its candidate recall, and so the end-to-end one, is a lower
+    bound (``lower_bound`` in ``candidate_recall`` names them, with the count of queries
+    with a relevant candidate when one holds none). One holding none blanks the conditional
+    row: whether its window holds a relevant one is unknown (averaged over the queries
+    answered in the candidates held alone, SciFact at limit 10 reads 0.818 over 261 claims,
+    against 0.773 over the window's 275)."""
+    recall = report["candidate_recall"]
+    window = recall["window"]
+    short = [qid for qid in judged if qid not in failed and len(fused[qid]) < window]
+
+    def held(qid: str) -> int:
+        return sum(qrels[qid].get(doc, 0) >= 1 for doc in fused[qid])
+
+    partial = [qid for qid in short if held(qid) < sum(g >= 1 for g in qrels[qid].values())]
+    unknown = [qid for qid in short if not held(qid)]
+    recall["lower_bound"] = ["end_to_end"] * bool(partial) + [
+        "queries_with_a_relevant_candidate"
+    ] * bool(unknown)
     if not unknown:
         return
     row = "final, conditional on the window"
     report["runs"][row] = dict.fromkeys((str(m) for m in MEASURES), None)
     report["unknown"][row] = (
-        f"the results hold only {report['candidate_recall']['candidates_held']} fused "
+        f"the results hold only {recall['candidates_held']} fused "
         f"candidate(s) for some query, fewer than the window's {window}, and for "
         f"{len(unknown)} no relevant one among them: which queries have one in the window is "
         f"unknown, and so is the conditional row (a batch of limit {window} holds them)"
