@@ -27,7 +27,9 @@ from worker.processes.stack import (
     free_port,
     gateway_process,
     redis_server,
+    sift_command,
     stop,
+    wait_until,
     worker_process,
 )
 
@@ -37,6 +39,7 @@ __all__ = [
     "celery_worker",
     "free_port",
     "gateway",
+    "killable_gateway",
     "purge",
     "purged",
     "redis_server",
@@ -97,6 +100,33 @@ def gateway(
 ) -> Iterator[str]:
     with gateway_process(tmp, child_env(env, inherit_sift=False), name, port=port) as url:
         yield url
+
+
+@contextlib.contextmanager
+def killable_gateway(
+    tmp: Path, env: Mapping[str, str], name: str = "gateway", port: int | None = None
+) -> Iterator[tuple[Popen[bytes], str]]:
+    """``sift gateway`` as :func:`gateway` starts it (on ``port``, or a free one), with its
+    process, for a test to kill; SIGKILLed when the block ends if it still runs."""
+    import httpx
+
+    port = port or free_port()
+    log = tmp / f"{name}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            sift_command("gateway", "--host", "127.0.0.1", "--port", str(port)),
+            stdout=out, stderr=subprocess.STDOUT, env=child_env(env, inherit_sift=False),
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(
+            lambda: httpx.get(url + "/readyz", timeout=1).status_code == 200, name, proc, log
+        )
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
 
 
 def purge(env: Mapping[str, str], tenant: str, *args: str) -> subprocess.CompletedProcess[str]:

@@ -17,8 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
-import subprocess
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -27,7 +25,7 @@ import httpx
 import redis
 
 from tests.reliability.support import ACME, INDEX, sample_queries, stack_env, wait_for
-from tests.services import redis_server
+from tests.services import killable_gateway, redis_server
 from worker.constants import (
     BATCH_KEY,
     IDEMPOTENCY_KEY,
@@ -35,34 +33,9 @@ from worker.constants import (
     IDEMPOTENCY_TTL_SECONDS,
     SEARCH_KEY,
 )
-from worker.processes.stack import child_env, free_port, sift_command, wait_until
 from worker.queue.jobstore.idempotency import _idem_key
 
 SEARCHES, BATCHES, BATCH_SIZE = 40, 20, 2_000
-
-
-@contextlib.contextmanager
-def gateway(
-    tmp: Path, env: dict[str, str], name: str
-) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """``sift gateway`` as ``tests.services.gateway`` starts it, with its process (to kill)."""
-    port = free_port()
-    log = tmp / f"{name}.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            sift_command("gateway", "--host", "127.0.0.1", "--port", str(port)),
-            stdout=out, stderr=subprocess.STDOUT, env=child_env(env, inherit_sift=False),
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(
-            lambda: httpx.get(url + "/readyz", timeout=1).status_code == 200, name, proc, log
-        )
-        yield proc, url
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
 
 
 def requests() -> list[tuple[str, str, dict[str, Any], dict[str, Any]]]:
@@ -126,7 +99,10 @@ def test_a_gateway_killed_during_keyed_submissions_never_gives_a_key_a_second_jo
         redis_url = redis_base + "/0"
         env = stack_env(redis_url, "http://127.0.0.1:9")
         store = redis.Redis.from_url(redis_url, decode_responses=True)
-        with gateway(tmp_path, env, "g1") as (proc, url), ThreadPoolExecutor(len(sent)) as pool:
+        with (
+            killable_gateway(tmp_path, env, "g1") as (proc, url),
+            ThreadPoolExecutor(len(sent)) as pool,
+        ):
             futures = [pool.submit(post, url, *request) for request in sent]
             # kill it once some of each kind exist: the rest is caught on its way
             wait_for(
@@ -155,7 +131,7 @@ def test_a_gateway_killed_during_keyed_submissions_never_gives_a_key_a_second_jo
             ttl = store.ttl(_idem_key("acme", key))
             assert IDEMPOTENCY_PENDING_TTL_SECONDS < ttl <= IDEMPOTENCY_TTL_SECONDS
 
-        with gateway(tmp_path, env, "g2") as (_, url):
+        with killable_gateway(tmp_path, env, "g2") as (_, url):
             right_after = resend(url, sent, wait=1)  # a search's replay waits like the original
             for key, response in right_after.items():
                 assert response.status_code in (200, 202, 409), (key, response.text)

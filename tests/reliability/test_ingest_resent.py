@@ -15,10 +15,7 @@ resend gets the first request's job back; a delete honours one the same way.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import subprocess
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
@@ -28,30 +25,10 @@ import httpx
 from tests.e2e.test_ingest_interrupt import sift_ingest
 from tests.fake_anthropic import FakeAnthropic
 from tests.reliability.support import ACME, stack_env, wait_for
-from tests.services import celery_worker, gateway, redis_server
-from worker.processes.stack import child_env, free_port, sift_command, wait_until
+from tests.services import celery_worker, gateway, killable_gateway, redis_server
+from worker.processes.stack import free_port
 
 INDEX = "resent"
-
-
-@contextlib.contextmanager
-def killable_gateway(tmp: Path, env: dict[str, str], name: str, port: int) -> Iterator[str]:
-    """``sift gateway`` on ``port``, killed (SIGKILL) when the block ends."""
-    log = tmp / f"{name}.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            sift_command("gateway", "--host", "127.0.0.1", "--port", str(port)),
-            stdout=out, stderr=subprocess.STDOUT, env=child_env(env, inherit_sift=False),
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(
-            lambda: httpx.get(url + "/readyz", timeout=1).status_code == 200, name, proc, log
-        )
-        yield url
-    finally:
-        proc.kill()
-        proc.wait(10)
 
 
 def test_an_ingest_sent_again_after_its_gateway_died_does_not_undo_a_later_delete(
@@ -75,7 +52,7 @@ def test_an_ingest_sent_again_after_its_gateway_died_does_not_undo_a_later_delet
                 return [job for job in listed if job["index"] == INDEX]
 
             first = ExitStack()
-            url = first.enter_context(killable_gateway(tmp_path, env, "first", port))
+            _, url = first.enter_context(killable_gateway(tmp_path, env, "first", port))
             with first, sift_ingest(url, corpus, INDEX) as sift:
                 wait_for(lambda: len(ingests()) == 1, "the ingest's job made")
                 first.close()  # killed with the request waiting on its job: sent again
@@ -118,7 +95,7 @@ def test_a_delete_sent_again_with_its_key_does_not_undo_a_later_ingest(tmp_path:
         with gateway(tmp_path / "other", env, "other") as other:
             with (
                 ThreadPoolExecutor(1) as pool,  # left last: the gateway is killed first
-                killable_gateway(tmp_path, env, "first", free_port()) as first,
+                killable_gateway(tmp_path, env, "first") as (_, first),
             ):
                 sent = pool.submit(
                     http.delete, f"{first}/v1/indexes/{INDEX}/documents/x?wait=30", headers=keyed
