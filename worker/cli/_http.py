@@ -120,13 +120,6 @@ def _transient(exc: BaseException) -> bool:
     return isinstance(exc, GatewayError) and exc.transient
 
 
-def _transient_unapplied(exc: BaseException) -> bool:
-    """A transient failure of a request that provably did nothing at the gateway (never
-    reached it, or refused with nothing stored): the only one a submission that is not safe
-    to repeat may be sent again after."""
-    return _transient(exc) and isinstance(exc, GatewayError) and exc.unapplied
-
-
 _backoff = wait_exponential(multiplier=0.25, max=5.0)
 
 
@@ -265,22 +258,15 @@ class Gateway:
         params: dict[str, Any] | None = None,
         headers: dict[str, str] | None = None,
         retry_for: float = 0.0,
-        unapplied_only: bool = False,
     ) -> httpx.Response:
         """Send one request; a 4xx/5xx or a network failure becomes a GatewayError. With
         ``retry_for``, a transient failure is sent again, backing off, for that many seconds
-        (only for a request that is safe to repeat: a GET, or a POST with an Idempotency-Key).
-        ``unapplied_only``: only one that provably did nothing at the gateway is sent again,
-        for a submission that is not safe to repeat (a delete job's, sent with no
-        Idempotency-Key): one that never reached it (a connection refused or not made in time),
-        or that it refused storing nothing (``503 job_store_full`` or ``starting``).
-        A 502, a 504, a read timeout or a 503 ``unavailable`` may follow a job the gateway
-        made (a proxy's, or Redis stalling after the job's write), and a second one deletes
-        nothing: it is not sent again."""
+        (only for a request that is safe to repeat: a GET, a merge patch, or a submission
+        with an Idempotency-Key)."""
         if retry_for <= 0:
             return self._send(method, path, json=json, params=params, headers=headers)
         retrying = Retrying(
-            retry=retry_if_exception(_transient_unapplied if unapplied_only else _transient),
+            retry=retry_if_exception(_transient),
             stop=stop_after_delay(retry_for),
             wait=_wait,
             before_sleep=_say_retrying,

@@ -9,6 +9,7 @@ answers instead of tables.
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from enum import StrEnum
@@ -37,7 +38,12 @@ from worker.cli._http import (
     utf8_text,
 )
 from worker.cli._output import counted, local_time, plain, print_fitted, progress_bar
-from worker.constants import MAX_DOCUMENTS_PER_REQUEST, MAX_PAGE_SIZE, MAX_WAIT_SECONDS
+from worker.constants import (
+    IDEMPOTENCY_PENDING_TTL_SECONDS,
+    MAX_DOCUMENTS_PER_REQUEST,
+    MAX_PAGE_SIZE,
+    MAX_WAIT_SECONDS,
+)
 from worker.contract import IndexSettingsPatch
 from worker.errors import validation_message
 
@@ -63,6 +69,8 @@ DEFAULT_DOCUMENTS_SHOWN = 20
 PREVIEW_SHOWN = 60  # characters of each text in the table (--json has the API's 200)
 INDEX_FIELDS = ("name", "documents")  # an index's metadata holds them (else: not Sift's)
 JOB_FIELDS = ("id", "status")  # a job's answer holds them
+# a delete's submission is sent again this long (:func:`_submit_delete`)
+SUBMIT_RETRY_SECONDS = RETRY_SECONDS + IDEMPOTENCY_PENDING_TTL_SECONDS
 
 
 def _print_json(console: Console, value: Any) -> None:
@@ -144,25 +152,26 @@ def _interruptible(submitted: list[dict[str, Any]]) -> Iterator[None]:
 
 
 def _submit_delete(client: Gateway, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
-    """A delete job's submission. Sent again only through a failure that proves the gateway
-    did nothing with it: a connection not made, its ``503 job_store_full`` (Redis refused
-    the job's writes) or ``503 starting`` (``sift gateway`` still waits for its Redis), whose
-    message, once the tries end, says nothing was stored. It carries no Idempotency-Key (the
-    gateway honours one on a delete; this command sends none yet), so one sent again after
-    an answer lost (a proxy's 502 or 504, a read timeout, a ``503 unavailable`` from Redis
-    stalling after the job's write) made a second job, which deleted nothing, and the
-    command then said the index did not exist. Such a failure says the job may run."""
+    """A delete job's submission, with an Idempotency-Key of its own, sent again with it
+    through any transient failure (as ``sift ingest`` sends its upserts): one whose answer
+    was lost (a proxy's 502 or 504, a read timeout, a ``503 unavailable`` from Redis stalling
+    after the job's write) is answered with the job it made. It sent none, so it was sent
+    again only after a failure that proved nothing was stored (a second job would delete
+    nothing, and the command said the index did not exist), and gave up after any other
+    saying the delete may have been accepted. The tries outlast the key's claim left by a
+    gateway killed before it made the job (``409 idempotency_key_in_progress``), as ``sift
+    search``'s do. A failure that ends them says the job may run, unless it proves not."""
     try:
         job: dict[str, Any] = client.json(
             method, path, params={"wait": MAX_WAIT_SECONDS}, fields=JOB_FIELDS,
-            retry_for=RETRY_SECONDS, unapplied_only=True, **kwargs,
+            headers={"Idempotency-Key": uuid.uuid4().hex}, retry_for=SUBMIT_RETRY_SECONDS,
+            **kwargs,
         )  # fmt: skip
     except GatewayError as exc:
         if not exc.transient or exc.unapplied:
             raise
         raise GatewayError(
-            f"{exc.message}; the delete may have been accepted and run: `sift ingestions` "
-            "lists it (not sent again: a second delete job would delete nothing)",
+            f"{exc.message}; the delete may have been accepted and run: `sift ingestions` lists it",
             status_code=exc.status_code,
         ) from exc
     return job
