@@ -20,6 +20,11 @@ from worker.queue.jobstore import (
     fingerprint,
 )
 
+# the 409 of a key whose first request has not made its job: that request makes it within
+# moments (it is validating or writing), or it died and its claim lapses within
+# IDEMPOTENCY_PENDING_TTL_SECONDS; a resend each second finds the job as soon as it exists
+IN_PROGRESS_RETRY_AFTER_SECONDS = 1
+
 
 def _within_bytes(key: str | None) -> str | None:
     """A key over :data:`MAX_IDEMPOTENCY_KEY_CHARS` refused in the unit it is counted in.
@@ -43,7 +48,8 @@ IdemKey = Annotated[
         min_length=1,
         json_schema_extra={"maxLength": MAX_IDEMPOTENCY_KEY_CHARS},  # checked by _within_bytes
         description="Same key and body: the same job. Different body: 422. "
-        "While the first request is still being answered: 409. At most 255 bytes as sent "
+        "While the first request has not made its job yet: 409, with `Retry-After: "
+        f"{IN_PROGRESS_RETRY_AFTER_SECONDS}`. At most 255 bytes as sent "
         "(the header's bytes are read one character each): ASCII is recommended.",
     ),
     AfterValidator(_within_bytes),
@@ -106,8 +112,9 @@ class _Idempotency:
                 409,
                 "idempotency_key_in_progress",
                 "Idempotency-Key: the first request with this key has not created its job "
-                "yet; retry",
+                f"yet; retry after {IN_PROGRESS_RETRY_AFTER_SECONDS} s",
                 field="Idempotency-Key",
+                headers={"Retry-After": str(IN_PROGRESS_RETRY_AFTER_SECONDS)},
             )
         return claim.job_id if claim.outcome is IdempotencyOutcome.REPLAY else None
 

@@ -205,7 +205,7 @@ def test_sift_batch_outwaits_the_claim_of_a_submit_whose_gateway_died(
         server.shutdown()
         server.server_close()
     assert result.exit_code == 0, result.output
-    assert "has not created its job yet; retry; trying again" in result.output  # the 409s
+    assert "has not created its job yet; retry after 1 s; trying again" in result.output
     assert len(_batch_ids(stack) - before) == 1
     assert len(set(server.batch_posts)) == 1 and len(server.batch_posts) > 2
     written = [json.loads(line) for line in out.read_text().splitlines()]

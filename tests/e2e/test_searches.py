@@ -153,8 +153,9 @@ def test_idempotency_resend_while_the_first_request_waits_gets_its_job(stack: St
 
 def test_idempotency_conflict_before_the_first_request_created_its_job(stack: Stack) -> None:
     """A key claimed by a request that has not created its job yet (its pending marker,
-    written here as the gateway writes it) is 409 naming the header; a different body is
-    422; once the marker is gone the key is free."""
+    written here as the gateway writes it) is 409 naming the header, with ``Retry-After: 1``
+    as every other answer that says to retry has (it had none); a different body is 422;
+    once the marker is gone the key is free."""
     store = JobStore.from_url(stack.redis_url + "/1")  # the idle gateway's database
     try:
         body = {"index": INDEX, "query": "claimed"}
@@ -166,6 +167,8 @@ def test_idempotency_conflict_before_the_first_request_created_its_job(stack: St
         conflict = stack.idle.post("/v1/searches", json=body, headers=headers)
         assert conflict.status_code == 409, conflict.text
         assert conflict.json()["error"]["field"] == "Idempotency-Key"
+        assert conflict.headers.get("retry-after") == "1", conflict.headers
+        assert "retry after 1 s" in conflict.json()["error"]["message"], conflict.text
         other = stack.idle.post("/v1/searches", json={**body, "limit": 3}, headers=headers)
         assert other.status_code == 422
         assert store.release_idempotency("acme", "claimed-1")
