@@ -155,10 +155,8 @@ def _submit_delete(client: Gateway, method: str, path: str, **kwargs: Any) -> di
     """A delete job's submission, with an Idempotency-Key of its own, sent again with it
     through any transient failure (as ``sift ingest`` sends its upserts): one whose answer
     was lost (a proxy's 502 or 504, a read timeout, a ``503 unavailable`` from Redis stalling
-    after the job's write) is answered with the job it made. It sent none, so it was sent
-    again only after a failure that proved nothing was stored (a second job would delete
-    nothing, and the command said the index did not exist), and gave up after any other
-    saying the delete may have been accepted. The tries outlast the key's claim left by a
+    after the job's write) is answered with the job it made, where a second job would delete
+    nothing and the command say the index did not exist. The tries outlast the key's claim left by a
     gateway killed before it made the job (``409 idempotency_key_in_progress``), as ``sift
     search``'s do. A failure that ends them says the job may run, unless it proves not."""
     try:
