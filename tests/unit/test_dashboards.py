@@ -66,7 +66,7 @@ def test_the_issues_panels_are_all_there() -> None:
         "submitted per second",
         "completed per second",
         "Queue wait",
-        "Job duration by mode and outcome",
+        "Search duration by mode and outcome",
         "failures per second by class",
         "Webhook deliveries per second by result",
         "Queue backlog",
