@@ -214,6 +214,7 @@ def create_app(
     app.include_router(ops_router)  # /healthz, /readyz, /metrics: no request checks
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes, keyring=keyring)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    metrics.preregister((router, listing_router, indexes_router, ops_router))
     return app
 
 

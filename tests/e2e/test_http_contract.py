@@ -464,7 +464,7 @@ def test_health_ready_and_metrics(stack: Stack, corpus: object) -> None:
     text = stack.live.get("/metrics").text
     assert 'sift_jobs_in_flight{state="queued"}' in text
     assert 'sift_queue_backlog{queue="sift.batch"}' in text
-    assert 'sift_http_requests_total{method="POST",route="/v1/searches"' in text
+    assert 'sift_http_requests_total{method="POST",route="/v1/searches",status="202"}' in text
     assert "sift_jobs_submitted_total" in text
 
 
@@ -475,7 +475,7 @@ def test_the_route_label_is_the_openapi_path(stack: Stack) -> None:
     stack.live.get(f"/v1/indexes/{INDEX}/documents/nobody", headers=ACME)
     text = stack.live.get("/metrics").text
     label = 'route="/v1/indexes/{index}/documents/{id}"'
-    assert f'sift_http_requests_total{{method="GET",{label}' in text
+    assert f'sift_http_requests_total{{method="GET",{label},status="404"}}' in text
     assert "{id:" not in text
 
 
