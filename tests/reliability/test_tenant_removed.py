@@ -166,3 +166,43 @@ def test_a_removed_tenants_queued_work_is_not_run_nor_billed(tmp_path: Path) -> 
                 assert webhook == {"status": "failed", "attempts": 0}, (path, webhook)
             with pytest.raises(queue.Empty):
                 inbox.get_nowait()
+
+
+def test_a_removed_tenants_webhook_reads_failed_once_its_job_is_final(tmp_path: Path) -> None:
+    """The webhooks queue backed up (no worker consumes it): the search and the batch of a
+    removed tenant read ``failed`` after 0 attempts as soon as they are final, not ``pending``
+    until a webhook task runs that can only give up."""
+    with (
+        redis_server(tmp_path / "redis") as base_url,
+        FakeAnthropic() as model,
+        webhook_inbox() as (hook, inbox),
+    ):
+        env = stack_env(base_url + "/0", model.url, SIFT_API_KEYS=json.dumps(BOTH))
+        with (
+            gateway(tmp_path / "g", env, "g1") as gateway_url,
+            httpx.Client(base_url=gateway_url, timeout=30) as client,
+        ):
+            with celery_worker(tmp_path / "w", env, "w1", concurrency=4):
+                ingest(client)
+            search = client.post(
+                "/v1/searches", json={"index": INDEX, "query": "bees", "webhook_url": hook},
+                headers=ACME,
+            ).json()["id"]  # fmt: skip
+            queries = [{"id": f"q{i}", "query": "bees"} for i in range(3)]
+            batch = client.post(
+                "/v1/batches", json={"index": INDEX, "queries": queries, "webhook_url": hook},
+                headers=ACME,
+            ).json()["id"]  # fmt: skip
+            removed = {**env, "SIFT_API_KEYS": json.dumps([GLOBEX_KEY])}
+            with celery_worker(
+                tmp_path / "w", removed, "w2", concurrency=4, queues="sift.search,sift.batch"
+            ):
+                found = _final(client, f"/v1/searches/{search}", ACME)
+                ran = _final(client, f"/v1/batches/{batch}", ACME)
+            assert found["status"] == "failed", found
+            assert found["error"]["type"] == "tenant_removed", found
+            assert ran["counts"]["failed"] == 3, ran
+            for job in (found, ran):
+                assert job["webhook"] == {"status": "failed", "attempts": 0}, job
+            with pytest.raises(queue.Empty):
+                inbox.get_nowait()

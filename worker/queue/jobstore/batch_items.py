@@ -5,7 +5,7 @@ a final item adds to its batch's totals.
 
 from __future__ import annotations
 
-from worker.constants import BATCH_KEY
+from worker.constants import BATCH_KEY, ERROR_TENANT_REMOVED
 from worker.contract import ErrorInfo, JobStatus, SearchResult, Usage
 from worker.queue.jobstore.records import ItemTransition
 from worker.queue.jobstore.store import (
@@ -52,6 +52,9 @@ def batch_tally(
     if timed is not None:
         for stage, seconds in timed._stage_seconds.items():
             pairs += ["seconds_" + stage, repr(seconds)]
+    if error is not None and error.type == ERROR_TENANT_REMOVED:
+        # the batch's webhook settles failed as it completes (scripts.py, _OWE_WEBHOOK)
+        pairs += ["tenant_removed", "1"]
     if result is not None:
         rerank = result.rerank
         outcome = (

@@ -24,6 +24,24 @@ local function release_owed(stats, bytes)
 end
 """
 
+# Records the webhook of a job (or batch) just made final owed in ``owed``, due ``now``; or,
+# when its record says its tenant was removed (``tenant_removed``: the failure of a search
+# that ended so, or a batch with an item that did), settles it ``failed`` after 0 attempts at
+# once, in the script that makes the job final: no key is left to sign it. (Owed, it read
+# ``pending`` until a webhook task gave it up, as worker/queue/webhook_task.py still does for
+# a job that ended before its tenant's removal, for as long as the webhooks queue was backed up.)
+_OWE_WEBHOOK = """
+local function owe_webhook(record, owed, now, id)
+  local hook = redis.call('HGET', record, 'webhook_url')
+  if not hook or hook == '' then return end
+  if redis.call('HEXISTS', record, 'tenant_removed') == 1 then
+    redis.call('HSET', record, 'webhook_settled', 'failed', 'webhook_attempts', '0')
+  else
+    redis.call('ZADD', owed, now, id)
+  end
+end
+"""
+
 # KEYS: record, stats, active, webhooks owed, then the job's re-drive bookkeeping (its outage
 # notes, its re-drive count, a batch's positions' counts: RE_DRIVE_KEYS in store.py). ARGV: to,
 # allowed-from (comma list), ttl, now,
@@ -43,6 +61,7 @@ end
 # leaves behind (the counts lived their retention naming a finished or erased job).
 _TRANSITION_JOB = (
     _RELEASE_OWED
+    + _OWE_WEBHOOK
     + """
 local cur = redis.call('HGET', KEYS[1], 'status')
 if not cur then return -1 end
@@ -60,8 +79,7 @@ if to == 'succeeded' or to == 'failed' or to == 'canceled' then
   local owed = tonumber(redis.call('HGET', KEYS[1], 'owed_bytes'))
   if owed then release_owed(KEYS[2], owed) end
   redis.call('ZREM', KEYS[3], ARGV[5])
-  local hook = redis.call('HGET', KEYS[1], 'webhook_url')
-  if hook and hook ~= '' then redis.call('ZADD', KEYS[4], ARGV[4], ARGV[5]) end
+  owe_webhook(KEYS[1], KEYS[4], ARGV[4], ARGV[5])
   local run = redis.call('HGET', KEYS[1], 'run')
   local claim = run and string.match(run, '^([^|]*|[^|]*|[^|]*|[^|]*|[^|]*)|')
   if claim then redis.call('HSET', KEYS[1], 'run', claim) end
@@ -111,6 +129,7 @@ return 1
 # The move that completes a batch with a webhook records the webhook owed, as a job's does.
 _TRANSITION_ITEM = (
     _RELEASE_OWED
+    + _OWE_WEBHOOK
     + """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if not cur then return {-1, 0} end
@@ -184,8 +203,7 @@ local done = (tonumber(c[1]) or 0) + (tonumber(c[2]) or 0) + (tonumber(c[3]) or 
 local total = tonumber(redis.call('HGET', KEYS[4], 'total')) or -1
 if done >= total and redis.call('HSETNX', KEYS[4], 'finished_at', ARGV[5]) == 1 then
   redis.call('ZREM', KEYS[6], ARGV[6])
-  local hook = redis.call('HGET', KEYS[4], 'webhook_url')
-  if hook and hook ~= '' then redis.call('ZADD', KEYS[9], ARGV[5], ARGV[6]) end
+  owe_webhook(KEYS[4], KEYS[9], ARGV[5], ARGV[6])
   for _, i in ipairs({1, 2, 3, 4, 7, 8, 10, 11, 12, 13, 14, 15, 16, 17}) do
     redis.call('EXPIRE', KEYS[i], tonumber(ARGV[13]))
   end
@@ -239,6 +257,7 @@ _REQUEUE_ITEM = "#!lua flags=allow-oom" + _TRANSITION_ITEM
 # reply was lost answers what it did (not "already finished" for a cancel that finished it).
 _CANCEL_BATCH = (
     _RELEASE_OWED
+    + _OWE_WEBHOOK
     + """
 if redis.call('EXISTS', KEYS[3]) == 0 then return {-1, 0} end
 if ARGV[3] ~= '' then
@@ -274,8 +293,7 @@ local completed = 0
 if done >= total and redis.call('HSETNX', KEYS[3], 'finished_at', ARGV[1]) == 1 then
   redis.call('ZREM', KEYS[5], ARGV[2])
   completed = 1
-  local hook = redis.call('HGET', KEYS[3], 'webhook_url')
-  if hook and hook ~= '' then redis.call('ZADD', KEYS[6], ARGV[1], ARGV[2]) end
+  owe_webhook(KEYS[3], KEYS[6], ARGV[1], ARGV[2])
   for _, i in ipairs({1, 2, 3, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17}) do
     redis.call('EXPIRE', KEYS[i], tonumber(ARGV[5]))
   end

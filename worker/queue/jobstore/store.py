@@ -41,6 +41,7 @@ from worker.constants import (
     ECONOMY_PROVIDERS_KEY,
     ECONOMY_RUNS_KEY,
     ECONOMY_STATE_KEY,
+    ERROR_TENANT_REMOVED,
     REDRIVE_COUNT_KEY,
     REDRIVE_OUTAGES_KEY,
     REDRIVE_POSITIONS_KEY,
@@ -282,6 +283,8 @@ class _StoreCore:
         if error is not None:
             status = JobStatus.FAILED
             fields["error"] = error.model_dump_json()
+            if error.type == ERROR_TENANT_REMOVED:  # its webhook settles failed (_OWE_WEBHOOK)
+                fields["tenant_removed"] = "1"
         else:
             assert result is not None
             status = JobStatus.SUCCEEDED
