@@ -200,6 +200,9 @@ async def no_route_short_of_a_line_break(request: Request) -> None:
         raise StarletteHTTPException(404)
 
 
+UNREACHABLE = "Redis (SIFT_REDIS_URL) could not be reached"
+
+
 def unavailable_reason(app: FastAPI, exc: Exception) -> str:
     """Why Redis failed a request, naming the setting that governs it: how long the gateway
     waits for an answer, or where it looks for Redis and how it connects (a database, the
@@ -222,7 +225,19 @@ def unavailable_reason(app: FastAPI, exc: Exception) -> str:
         )
     if (handshake := _tls_failure(exc)) is not None:
         return f"the TLS handshake with Redis (SIFT_REDIS_URL) failed ({handshake})"
-    return "Redis (SIFT_REDIS_URL) could not be reached"
+    return UNREACHABLE
+
+
+def public_unavailable_reason(app: FastAPI, exc: Exception) -> str:
+    """Why Redis failed ``/readyz``, which answers anyone, without a key: refused (its
+    credentials, its ACL, its database, its TLS handshake), unanswered in time, or
+    unreachable, in words of the gateway's own. A refusal's :func:`unavailable_reason`
+    quotes Redis (the command its ACL refuses, the credentials' fault, the certificate a
+    handshake refused and the host it names): the gateway's log keeps that."""
+    reason = unavailable_reason(app, exc)
+    if isinstance(exc, redis.TimeoutError) or reason == UNREACHABLE:
+        return reason  # a setting's name, and its seconds: nothing Redis said
+    return "Redis refused the gateway (its log says why)"
 
 
 def _tls_failure(exc: BaseException) -> str | None:

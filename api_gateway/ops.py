@@ -17,6 +17,7 @@ from api_gateway.errors import (
     ErrorBody,
     error_response,
     job_store_unavailable,
+    public_unavailable_reason,
     unavailable_reason,
 )
 from api_gateway.metrics import GatewayMetrics
@@ -73,9 +74,10 @@ async def readyz(request: Request) -> Response:
     try:
         await run_in_threadpool(store.ping)
     except REDIS_ERRORS as exc:
-        log.warning("not ready: %s", exc)
-        # the body its OpenAPI 503 declares, as every 503's: it was {"status": "unavailable"}
-        raise job_store_unavailable(unavailable_reason(request.app, exc)) from exc
+        log.warning("not ready: %s", unavailable_reason(request.app, exc))
+        # the body its OpenAPI 503 declares, as every 503's: it was {"status": "unavailable"};
+        # what Redis said stays in the log (the probe answers anyone)
+        raise job_store_unavailable(public_unavailable_reason(request.app, exc)) from exc
     return Response(Health(status="ok").model_dump_json(), media_type="application/json")
 
 

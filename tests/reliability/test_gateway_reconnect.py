@@ -313,9 +313,9 @@ def test_a_password_redis_refuses_is_a_503_naming_the_refusal(
 ) -> None:
     """Redis answers and refuses the URL's credentials: a ``requirepass`` set on a Redis the
     URL gives no password for (``NOAUTH``), or changed from the one it gives (``WRONGPASS``),
-    once the gateway runs (it waits out a refusal at its start). ``/readyz`` and a request
-    say Redis refused them, and why: they said it "could not be reached", which sent the
-    operator looking for a Redis that was up."""
+    once the gateway runs (it waits out a refusal at its start). ``/readyz`` says Redis
+    refused the gateway, and a request and the log say why: they said it "could not be
+    reached", which sent the operator looking for a Redis that was up."""
     server = RestartableRedis(tmp_path / "redis")
     server.start()
     admin = redis.Redis.from_url(server.url)
@@ -334,13 +334,17 @@ def test_a_password_redis_refuses_is_a_503_naming_the_refusal(
             admin.client_kill_filter(_type="normal")
             ready = client.get("/readyz")
             asked = client.get("/v1/searches/srch_0123456789abcdef0123456789abcdef", headers=ACME)
+        log = (tmp_path / "g" / "gateway.log").read_text()
     finally:
         admin.close()
         server.close()
     for answer in (ready, asked):
         assert answer.status_code == 503 and answer.json()["error"]["type"] == "unavailable"
-        message = answer.json()["error"]["message"]
-        assert refusal in message and "could not be reached" not in message, message
+        assert "could not be reached" not in answer.text, answer.text
+    # /readyz, which answers anyone, says Redis refused; a request, and the log, say why
+    assert "Redis refused the gateway" in ready.json()["error"]["message"], ready.text
+    assert refusal in asked.json()["error"]["message"], asked.text
+    assert refusal in log, log
 
 
 @pytest.mark.timeout(120)
@@ -389,3 +393,45 @@ def test_a_command_redis_acl_refuses_is_a_503_naming_the_acl(
         assert "Redis's ACL refuses the user of SIFT_REDIS_URL a command" in message, message
         assert refusal in message, message
     assert "Traceback" not in log, log
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("change", "quoted"),
+    [
+        (["-ping"], "NOPERM this user has no permissions to run the 'ping' command"),
+        (["resetpass", ">rotated"], "invalid username-password pair"),
+    ],
+    ids=["acl-refuses-ping", "password-rotated"],
+)
+def test_readyz_tells_no_one_what_redis_said(
+    tmp_path: Path, change: list[str], quoted: str
+) -> None:
+    """``/readyz`` answers anyone, without a key: its 503 says Redis refused the gateway,
+    and nothing of Redis's own refusal (the command its ACL refuses, the credentials' fault)
+    nor the user; the gateway's log keeps that, naming the setting. It quoted Redis."""
+    server = RestartableRedis(tmp_path / "redis")
+    server.start()
+    admin = redis.Redis.from_url(server.url)
+    try:
+        admin.execute_command("ACL", "SETUSER", "ops-user-7", "on", ">pw", "~*", "&*", "+@all")
+        url = server.url.replace("//", "//ops-user-7:pw@") + "/0"
+        env = {"SIFT_REDIS_URL": url, "SIFT_API_KEYS": json.dumps(KEYS)}
+        with (
+            gateway(tmp_path / "g", env) as base,
+            httpx.Client(base_url=base, timeout=30) as client,
+        ):
+            admin.execute_command("ACL", "SETUSER", "ops-user-7", *change)
+            admin.client_kill_filter(_type="normal", skipme=True)  # new connections meet it
+            ready = client.get("/readyz")
+        log = (tmp_path / "g" / "gateway.log").read_text()
+    finally:
+        admin.close()
+        server.close()
+    assert ready.status_code == 503, ready.text
+    assert ready.json()["error"]["type"] == "unavailable", ready.text
+    message = ready.json()["error"]["message"]
+    assert "Redis refused the gateway" in message, message
+    for private in (quoted, "NOPERM", "ping", "username-password", "ops-user-7"):
+        assert private not in ready.text, ready.text
+    assert quoted in log, log  # the operator's log says what Redis said
