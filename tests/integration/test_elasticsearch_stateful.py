@@ -1475,7 +1475,7 @@ def test_a_purge_drops_the_tenants_indexes_that_hold_no_document_too(
     assert backend.index_info("docs", "globex").documents == len(docs)
     again = purge(env, "acme")
     assert again.returncode == 0, again.stdout + again.stderr
-    assert purged(again.stdout)["indexes dropped"] == 0, again.stdout
+    assert "tenant 'acme': nothing of it was found" in again.stdout, again.stdout
 
 
 def test_a_purge_closes_the_new_index_an_unfinished_ingest_names(
@@ -1507,4 +1507,4 @@ def test_a_purge_closes_the_new_index_an_unfinished_ingest_names(
     assert (removed["indexes dropped"], closed) == (0, 1), ran.stdout
     again = purge(env, "acme")
     assert again.returncode == 0, again.stdout + again.stderr
-    assert set(purged(again.stdout).values()) == {0}, again.stdout
+    assert "tenant 'acme': nothing of it was found" in again.stdout, again.stdout

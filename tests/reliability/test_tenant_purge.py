@@ -32,7 +32,14 @@ from tests.keys import ACME, ACME_KEY, GLOBEX, GLOBEX_KEY
 from tests.reliability.support import INDEX, ingest, stack_env, wait_for
 from tests.services import celery_worker, gateway, redis_server, webhook_inbox
 from worker.adapters.embedded import EmbeddedBackend
-from worker.constants import ALL_QUEUES, KOMBU_UNACKED_KEY, STATS_KEY, kombu_queue_keys
+from worker.constants import (
+    ALL_QUEUES,
+    KOMBU_UNACKED_KEY,
+    REWRITE_LATCH_KEY,
+    REWRITE_OWED_KEY,
+    STATS_KEY,
+    kombu_queue_keys,
+)
 from worker.processes.stack import child_env
 from worker.write_versions import next_write_version
 
@@ -208,7 +215,8 @@ def test_a_purge_erases_a_removed_tenant_and_nothing_else(tmp_path: Path) -> Non
             # a second run finds nothing
             again = _purge(removed_env, "acme", "--yes")
             assert again.returncode == 0, again
-            assert set(_removed(again.stdout).values()) == {0}, again.stdout
+            assert "tenant 'acme': nothing of it was found" in again.stdout, again.stdout
+            assert not _removed(again.stdout), again.stdout
 
             # the name given out again inherits nothing, and its writes land (the drops'
             # floors are below every new write version)
@@ -355,4 +363,26 @@ def test_an_ingest_into_a_new_index_running_at_the_purge_lands_nothing_after_it(
         assert (removed["indexes dropped"], closed) == (0, 1), purged.stdout
         again = _purge(removed_env, "acme", "--yes")
         assert again.returncode == 0, again.stdout + again.stderr
-        assert set(_removed(again.stdout).values()) == {0}, again.stdout
+        assert "tenant 'acme': nothing of it was found" in again.stdout, again.stdout
+
+
+def test_a_tenant_never_seen_is_said_to_be_found_nowhere(tmp_path: Path) -> None:
+    """``sift tenant purge ghost`` of a name nothing holds (a typo, or a tenant purged
+    already) says nothing of it was found, exit 0, and asks Redis for no rewrite: it printed
+    ``tenant ghost: purged`` with every count 0, as a finished erasure, and made one."""
+    with redis_server(tmp_path / "redis") as base_url:
+        env = stack_env(base_url + "/0", "http://127.0.0.1:9", SIFT_API_KEYS=json.dumps(BOTH))
+        with (
+            gateway(tmp_path / "g", env) as gateway_url,
+            httpx.Client(base_url=gateway_url, timeout=30) as client,
+            celery_worker(tmp_path / "w", env, "w1", concurrency=2),
+        ):
+            ingest(client)  # acme's index, in the workers' folder
+            ghost = _purge(env, "ghost", "--yes")
+        with redis.Redis.from_url(base_url) as store:
+            asked = store.exists(REWRITE_LATCH_KEY, REWRITE_OWED_KEY)
+    assert ghost.returncode == 0, ghost.stdout + ghost.stderr
+    said = " ".join(ghost.stdout.split())
+    assert "tenant 'ghost': nothing of it was found" in said, said
+    assert "purged" not in said and "Redis was asked" not in said, said
+    assert asked == 0  # no rewrite asked, none owed

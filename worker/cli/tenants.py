@@ -39,10 +39,12 @@ documents for good), and a tenant given the same name later inherits them. This 
    :mod:`worker.queue.jobstore.rewrite`); a line says which.
 
 It prints what it removed, by kind. Everything is found afresh, so a second run removes
-nothing. It refuses a tenant that still has a key in the settings, or, when it found Redis
-through the ``sift up`` stack on ``SIFT_DATA_DIR``, the tenant of that stack's development key
-(``--force`` to erase it anyway: its clients may still be writing), and asks before it starts
-(``--yes`` not to).
+nothing, and says that nothing of the tenant was found, exit 0, asking for no rewrite, as it
+does of a name nothing holds (a typo): all-zero counts under "purged" read as an erasure done.
+It refuses a tenant that still has a key in the settings, or, when it found Redis through the
+``sift up`` stack on ``SIFT_DATA_DIR``, the tenant of that stack's development key (``--force``
+to erase it anyway: its clients may still be writing), and asks before it starts (``--yes`` not
+to).
 """
 
 from __future__ import annotations
@@ -333,14 +335,23 @@ def purge(
         canceled["provider deletes"] = _delete_provider_batches(settings, store, jobs)
         dropped = _drop_indexes(settings, client, name, store.unfinished_write_indexes(jobs))
         deleted = store.delete_tenant_jobs(jobs) + store.delete_tenant_keys(name)
-        owe_rewrite(client)  # Redis's AOF still holds the writes of what went
-        rewrite = store.rewrite_files()
-        if rewrite in (Rewrite.LATCHED, Rewrite.BUSY):
-            _schedule_rewrite(settings, client)
+        found = any(n > 0 for n in (*canceled.values(), *dropped.values(), *deleted.values()))
+        if found:
+            owe_rewrite(client)  # Redis's AOF still holds the writes of what went
+            rewrite = store.rewrite_files()
+            if rewrite in (Rewrite.LATCHED, Rewrite.BUSY):
+                _schedule_rewrite(settings, client)
     except (redis.RedisError, OSError, SiftError) as exc:
         stop(f"purge of {name!r} stopped (run it again to finish): {plain(exc)}", EXIT_ERROR)
     finally:
         store.close()
+    if not found:  # a name mistyped, or a tenant purged already: exit 0 all the same
+        cli_console().print(
+            f"tenant {name!r}: nothing of it was found (no job, record or index in Redis or "
+            f"{_where(settings)}); nothing was erased, and no rewrite was asked",
+            soft_wrap=True,
+        )
+        return
     _show(name, canceled, dropped, deleted)
     cli_console().print(_REWRITES[rewrite], soft_wrap=True)
 
