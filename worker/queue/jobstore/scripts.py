@@ -27,9 +27,9 @@ end
 # Records the webhook of a job (or batch) just made final owed in ``owed``, due ``now``; or,
 # when its record says its tenant was removed (``tenant_removed``: the failure of a search
 # that ended so, or a batch with an item that did), settles it ``failed`` after 0 attempts at
-# once, in the script that makes the job final: no key is left to sign it. (Owed, it read
-# ``pending`` until a webhook task gave it up, as worker/queue/webhook_task.py still does for
-# a job that ended before its tenant's removal, for as long as the webhooks queue was backed up.)
+# once, in the script that makes the job final: no key is left to sign it. (A job that ended
+# before its tenant's removal is owed as any, and reads ``pending`` until a webhook task gives
+# it up: worker/queue/webhook_task.py.)
 _OWE_WEBHOOK = """
 local function owe_webhook(record, owed, now, id)
   local hook = redis.call('HGET', record, 'webhook_url')
