@@ -347,6 +347,28 @@ def test_a_password_redis_refuses_is_a_503_naming_the_refusal(
     assert refusal in log, log
 
 
+@contextlib.contextmanager
+def _gateway_as_acl_user(tmp_path: Path, user: str) -> Iterator[tuple[redis.Redis, httpx.Client]]:
+    """A gateway (its log in ``tmp_path / "g"``) on a Redis of its own as the ACL user
+    ``user``, let every command until a test changes its rules through the admin connection
+    this yields with a client of the gateway."""
+    server = RestartableRedis(tmp_path / "redis")
+    server.start()
+    admin = redis.Redis.from_url(server.url)
+    try:
+        admin.execute_command("ACL", "SETUSER", user, "on", ">pw", "~*", "&*", "+@all")
+        url = server.url.replace("//", f"//{user}:pw@") + "/0"
+        env = {"SIFT_REDIS_URL": url, "SIFT_API_KEYS": json.dumps(KEYS)}
+        with (
+            gateway(tmp_path / "g", env) as base,
+            httpx.Client(base_url=base, timeout=30) as client,
+        ):
+            yield admin, client
+    finally:
+        admin.close()
+        server.close()
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     ("rules", "refusal"),
@@ -366,26 +388,13 @@ def test_a_command_redis_acl_refuses_is_a_503_naming_the_acl(
     thread-pool store) are the 503 naming the ACL and Redis's refusal, a deployment's
     setting as a refused password is, logged as one line. They were 500s, logged as the
     gateway's bug with a traceback."""
-    server = RestartableRedis(tmp_path / "redis")
-    server.start()
-    admin = redis.Redis.from_url(server.url)
-    try:
-        admin.execute_command("ACL", "SETUSER", "sift", "on", ">pw", "~*", "&*", "+@all")
-        url = server.url.replace("//", "//sift:pw@") + "/0"
-        env = {"SIFT_REDIS_URL": url, "SIFT_API_KEYS": json.dumps(KEYS)}
-        with (
-            gateway(tmp_path / "g", env) as base,
-            httpx.Client(base_url=base, timeout=30) as client,
-        ):
-            admin.execute_command("ACL", "SETUSER", "sift", *rules)
-            answers = [
-                client.post("/v1/searches", json=_search(), headers=ACME),
-                client.get("/v1/searches/srch_0123456789abcdef0123456789abcdef", headers=ACME),
-            ]
-        log = (tmp_path / "g" / "gateway.log").read_text()
-    finally:
-        admin.close()
-        server.close()
+    with _gateway_as_acl_user(tmp_path, "sift") as (admin, client):
+        admin.execute_command("ACL", "SETUSER", "sift", *rules)
+        answers = [
+            client.post("/v1/searches", json=_search(), headers=ACME),
+            client.get("/v1/searches/srch_0123456789abcdef0123456789abcdef", headers=ACME),
+        ]
+    log = (tmp_path / "g" / "gateway.log").read_text()
     for answer in answers:
         assert answer.status_code == 503, answer.text
         assert answer.json()["error"]["type"] == "unavailable", answer.text
@@ -410,24 +419,11 @@ def test_readyz_tells_no_one_what_redis_said(
     """``/readyz`` answers anyone, without a key: its 503 says Redis refused the gateway,
     and nothing of Redis's own refusal (the command its ACL refuses, the credentials' fault)
     nor the user; the gateway's log keeps that, naming the setting. It quoted Redis."""
-    server = RestartableRedis(tmp_path / "redis")
-    server.start()
-    admin = redis.Redis.from_url(server.url)
-    try:
-        admin.execute_command("ACL", "SETUSER", "ops-user-7", "on", ">pw", "~*", "&*", "+@all")
-        url = server.url.replace("//", "//ops-user-7:pw@") + "/0"
-        env = {"SIFT_REDIS_URL": url, "SIFT_API_KEYS": json.dumps(KEYS)}
-        with (
-            gateway(tmp_path / "g", env) as base,
-            httpx.Client(base_url=base, timeout=30) as client,
-        ):
-            admin.execute_command("ACL", "SETUSER", "ops-user-7", *change)
-            admin.client_kill_filter(_type="normal", skipme=True)  # new connections meet it
-            ready = client.get("/readyz")
-        log = (tmp_path / "g" / "gateway.log").read_text()
-    finally:
-        admin.close()
-        server.close()
+    with _gateway_as_acl_user(tmp_path, "ops-user-7") as (admin, client):
+        admin.execute_command("ACL", "SETUSER", "ops-user-7", *change)
+        admin.client_kill_filter(_type="normal", skipme=True)  # new connections meet it
+        ready = client.get("/readyz")
+    log = (tmp_path / "g" / "gateway.log").read_text()
     assert ready.status_code == 503, ready.text
     assert ready.json()["error"]["type"] == "unavailable", ready.text
     message = ready.json()["error"]["message"]
