@@ -414,6 +414,10 @@ def _show(
         ("write-version counters deleted", deleted["write version"]),
         ("marks of jobs it erased deleted", deleted["erasure marks"]),
     ]
+    named = {"search", "batch", "ingest", "keys", "job lists", "idempotency keys"}
+    named |= {"index settings", "write version", "erasure marks"}
+    # any other kind the job store counted (the index sizes), by its own name
+    rows += [(f"{kind} deleted", n) for kind, n in sorted(deleted.items()) if kind not in named]
     table = Table(title=f"tenant {tenant}: purged")
     table.add_column("what")
     table.add_column("removed", justify="right")
