@@ -38,7 +38,7 @@ JOB_STATES: Final = ("queued", "running")
 JOB_KINDS: Final = ("search", "batch", "batch_item", "ingest")
 JOB_STATUSES: Final = ("succeeded", "failed", "canceled")
 # a failed job's ``error.type``, exactly: the SiftError.code values (worker/errors.py), and the
-# three a record gets otherwise (worker/queue/base.py's error_info, worker/queue/tasks.py). The
+# three a record gets otherwise (worker/queue/base.py's error_info, worker/queue/tasks/). The
 # label was "internal" for those three: a crash loop's jobs, expired documents and a bug in one
 JOB_ERRORS: Final = (
     "invalid_request",
