@@ -206,8 +206,7 @@ def _expected_errors() -> Iterator[None]:
     try:
         yield
     except (GatewayError, InputError) as exc:
-        _err().print(f"[bold red]error:[/] {plain(exc)}", soft_wrap=True)
-        raise typer.Exit(EXIT_ERROR) from None
+        stop(plain(exc), EXIT_ERROR)
 
 
 def one_of(choices: tuple[str, ...]) -> Callable[[str | None], str | None]:
