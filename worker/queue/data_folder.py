@@ -84,23 +84,34 @@ class DataFolder:
         path = data_dir.resolve()
         return cls(folder_id(path), f"{socket.gethostname()}:{path}")
 
+    @property
+    def value(self) -> str:
+        """The folder as :data:`~worker.constants.DATA_FOLDER_KEY` holds it: ``id host:path``."""
+        return f"{self.id} {self.where}"
+
+    @classmethod
+    def read(cls, value: bytes | str) -> DataFolder:
+        """The folder a :attr:`value` names, as Redis answers it."""
+        folder_id, _, where = (value.decode() if isinstance(value, bytes) else value).partition(" ")
+        return cls(folder_id, where)
+
 
 def folder_id(data_dir: Path) -> str:
     """``data_dir``'s id, made at random and written the first time it is asked for; two
     processes asking at once read the same one (the file is linked into place whole, never
     over another)."""
-    path = data_dir / FOLDER_ID_FILE
-    if not path.exists():
-        data_dir.mkdir(parents=True, exist_ok=True)
-        made = data_dir / f".{FOLDER_ID_FILE}.{uuid.uuid4().hex}"
-        made.write_text(uuid.uuid4().hex + "\n")
-        try:
-            os.link(made, path)
-        except FileExistsError:
-            pass  # another process's, made meanwhile
-        finally:
-            made.unlink()
-    return path.read_text().strip()
+    if (known := stored_id(data_dir)) is not None:
+        return known
+    data_dir.mkdir(parents=True, exist_ok=True)
+    made = data_dir / f".{FOLDER_ID_FILE}.{uuid.uuid4().hex}"
+    made.write_text(uuid.uuid4().hex + "\n")
+    try:
+        os.link(made, data_dir / FOLDER_ID_FILE)
+    except FileExistsError:
+        pass  # another process's, made meanwhile
+    finally:
+        made.unlink()
+    return (data_dir / FOLDER_ID_FILE).read_text().strip()
 
 
 def stored_id(data_dir: Path) -> str | None:
@@ -114,10 +125,7 @@ def stored_id(data_dir: Path) -> str | None:
 def served(client: redis.Redis) -> DataFolder | None:
     """The folder the live workers on ``client``'s Redis serve; None while none holds it."""
     held = client.get(DATA_FOLDER_KEY)
-    if not held:
-        return None
-    folder_id, _, where = (held.decode() if isinstance(held, bytes) else str(held)).partition(" ")
-    return DataFolder(folder_id, where)
+    return DataFolder.read(held) if held else None
 
 
 def start_holder(pid: int | None = None) -> str:
@@ -130,15 +138,12 @@ def start_holder(pid: int | None = None) -> str:
 def claim(client: redis.Redis, folder: DataFolder, holder: str, hold_seconds: float) -> str | None:
     """Hold the Redis for ``folder`` as ``holder`` for ``hold_seconds``; answers None, or
     (refused, nothing held) the ``host:path`` of the other folder a live holder serves."""
-    value = f"{folder.id} {folder.where}"
     ttl_ms = max(1, int(hold_seconds * 1000))
     held = client.register_script(CLAIM_SCRIPT)(
-        keys=[DATA_FOLDER_KEY, DATA_FOLDER_HOLDERS_KEY], args=[folder.id, value, holder, ttl_ms]
+        keys=[DATA_FOLDER_KEY, DATA_FOLDER_HOLDERS_KEY],
+        args=[folder.id, folder.value, holder, ttl_ms],
     )
-    if not held:
-        return None
-    text = held.decode() if isinstance(held, bytes) else str(held)
-    return text.partition(" ")[2]
+    return DataFolder.read(held).where if held else None
 
 
 def release(client: redis.Redis, folder: DataFolder, *holders: str) -> None:
