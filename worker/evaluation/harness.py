@@ -809,16 +809,18 @@ def _mark_what_a_cut_leaves_unknown(
     against 0.773 over the window's 275)."""
     recall = report["candidate_recall"]
     window = recall["window"]
-    short = [qid for qid in judged if qid not in failed and len(fused[qid]) < window]
-
-    def held(qid: str) -> int:
-        return sum(qrels[qid].get(doc, 0) >= 1 for doc in fused[qid])
-
-    partial = [qid for qid in short if held(qid) < sum(g >= 1 for g in qrels[qid].values())]
-    unknown = [qid for qid in short if not held(qid)]
-    recall["lower_bound"] = ["end_to_end"] * bool(partial) + [
-        "queries_with_a_relevant_candidate"
-    ] * bool(unknown)
+    # each query cut short of the window: its relevant documents held, of how many
+    held = {
+        qid: (sum(qrels[qid].get(doc, 0) >= 1 for doc in fused[qid]),
+              sum(gain >= 1 for gain in qrels[qid].values()))
+        for qid in judged
+        if qid not in failed and len(fused[qid]) < window
+    }  # fmt: skip
+    unknown = [qid for qid, (found, _) in held.items() if not found]
+    if any(found < relevant for found, relevant in held.values()):
+        recall["lower_bound"].append("end_to_end")
+    if unknown:
+        recall["lower_bound"].append("queries_with_a_relevant_candidate")
     if not unknown:
         return
     row = "final, conditional on the window"
