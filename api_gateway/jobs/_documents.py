@@ -147,7 +147,7 @@ async def upsert_documents(
     # its documents wait in Redis for a worker: priced at the body's bytes as Redis holds
     # them (a text JSON escapes weighs more there), or ingests would take Redis past the
     # 90 % kept for the jobs running, into its maxmemory
-    adding = len(await request.body()) * STORED_FACTOR
+    adding = math.ceil(len(await request.body()) * STORED_FACTOR)
     store = job_store(request)
     route = f"POST /v1/indexes/{index}/documents"
     return await submit_write(
@@ -167,7 +167,7 @@ async def submit_write(
     create: Callable[[Enqueue | None, IdempotencyRef | None], IngestJob],
     wait: float,
     *,
-    admit: tuple[float, str] | None,
+    admit: tuple[int, str] | None,
 ) -> Response:
     """Store an ingest-kind job (an upsert, a delete or a drop) as ``create`` makes it, and
     answer it. ``keyed``: the tenant, its ``Idempotency-Key`` (None: none), the request's
@@ -186,7 +186,7 @@ async def submit_write(
     if job_id is None:
         try:
             admitted = (
-                _in_store(request, math.ceil(admit[0]), admit[1], "documents", *UPSERT_WORDS)
+                _in_store(request, *admit, "documents", *UPSERT_WORDS)
                 if admit is not None
                 else contextlib.nullcontext()
             )
