@@ -41,7 +41,8 @@ from worker.adapters.embedder import (  # noqa: E402
     default_model_path,
 )
 from worker.adapters.int8_graph import int8_compute_model  # noqa: E402
-from worker.evaluation.harness import TENANT, Collection, evaluate, read_corpus  # noqa: E402
+from worker.evaluation.harness import TENANT, evaluate  # noqa: E402
+from worker.evaluation.inputs import Collection, read_corpus  # noqa: E402
 from worker.runtime.inprocess import build_runtime, embedding_text  # noqa: E402
 from worker.settings import load_settings  # noqa: E402
 

@@ -40,7 +40,7 @@ sys.path.insert(0, os.environ.get("BENCH_CODE", str(REPO)))  # the code under te
 from worker.adapters.embedded import EmbeddedBackend  # noqa: E402
 from worker.core.catalog import IndexSize  # noqa: E402
 from worker.core.types import Document  # noqa: E402
-from worker.evaluation.harness import read_corpus  # noqa: E402
+from worker.evaluation.inputs import read_corpus  # noqa: E402
 
 #: The release before's ``index_size``: a sum over every body of the tenant's index.
 SUM = (

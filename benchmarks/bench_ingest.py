@@ -57,7 +57,7 @@ from worker.adapters.embedder import (  # noqa: E402
     default_tokenizer_path,
 )
 from worker.adapters.int8_graph import int8_compute_model  # noqa: E402
-from worker.evaluation.harness import read_corpus  # noqa: E402
+from worker.evaluation.inputs import read_corpus  # noqa: E402
 from worker.processes.machine import cpu_count as cores  # noqa: E402
 from worker.processes.stack import (  # noqa: E402
     child_env,

@@ -65,7 +65,7 @@ from worker.adapters.int8_graph import (  # noqa: E402
     with_fused_attention,
     without_nan_guards,
 )
-from worker.evaluation.harness import read_corpus  # noqa: E402
+from worker.evaluation.inputs import read_corpus  # noqa: E402
 from worker.runtime.inprocess import embedding_text  # noqa: E402
 from worker.runtime.slots import SlottedEmbedder, cpu_slots  # noqa: E402
 

@@ -148,7 +148,7 @@ def test_a_beir_corpus_line_with_a_title_and_no_text_is_read_as_sift_ingest_send
     """``--corpus`` reads a BEIR document with a title and an empty text as ``sift ingest``
     sends it (its title as its text), so the in-process figures are the served index's; it
     stopped at such a line (``field 'text'``)."""
-    from worker.evaluation.harness import read_corpus
+    from worker.evaluation.inputs import read_corpus
 
     corpus = write(tmp_path / "c.jsonl", '{"_id": 7, "title": "Aspirin", "text": ""}\n')
     (document,) = read_corpus(Path(corpus))

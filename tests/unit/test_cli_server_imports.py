@@ -28,7 +28,13 @@ def test_the_command_line_does_not_import_what_sift_eval_alone_needs() -> None:
     imports come when it runs."""
     loaded = _imported_after("from worker.cli import app")
     assert {f"worker.cli.{module}" for module in COMMAND_MODULES} <= loaded
-    evaluation = {"ir_measures", "numpy", "apsw", "worker.evaluation.harness"}
+    evaluation = {
+        "ir_measures",
+        "numpy",
+        "apsw",
+        "worker.evaluation.harness",
+        "worker.evaluation.scoring",
+    }
     assert not loaded & evaluation, sorted(loaded & evaluation)
     names = {info.name for info in app_for(["search"]).registered_commands}
     assert {"gateway", "worker", "eval", "search", "status", "erase"} <= names

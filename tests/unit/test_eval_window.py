@@ -13,7 +13,9 @@ from typing import Any
 from tests.fakes import FakeEmbedder
 from worker.contract import Channel, SearchSpec
 from worker.core.types import ChannelHit, ChannelQuery, ChannelResults, Document, IndexProbe
-from worker.evaluation.harness import TENANT, Collection, evaluate, score_results
+from worker.evaluation.harness import TENANT, evaluate
+from worker.evaluation.inputs import Collection
+from worker.evaluation.served import score_results
 from worker.runtime.bootstrap import build_pipeline
 from worker.runtime.inprocess import Runtime
 from worker.settings import load_settings

@@ -11,7 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from worker.cli import app
-from worker.evaluation.harness import score_rankings, score_results, served_rankings
+from worker.evaluation.scoring import score_rankings
+from worker.evaluation.served import score_results, served_rankings
 
 
 def hit(doc: str, final: int, rrf: int, bm25: int | None, knn: int | None) -> dict[str, Any]:

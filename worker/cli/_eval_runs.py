@@ -27,7 +27,8 @@ from worker.cli._http import (
 from worker.cli._output import cli_console, plain, progress_bar
 from worker.cli.client._batch import _cancel_outcome, submit
 from worker.constants import MAX_WAIT_SECONDS
-from worker.evaluation.harness import DEFAULT_WINDOW, RunSpec, judged_queries, probe_spec, window_of
+from worker.evaluation.inputs import judged_queries
+from worker.evaluation.scoring import DEFAULT_WINDOW, RunSpec, probe_spec, window_of
 
 console = Console(emoji=False)
 PAGE_SIZE = 500

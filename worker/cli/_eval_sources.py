@@ -26,21 +26,21 @@ from worker.cli._eval_runs import (
     console,
 )
 from worker.cli._output import format_cost, plain, progress_bar
-from worker.evaluation.harness import (
-    TENANT,
+from worker.evaluation.harness import TENANT, evaluate
+from worker.evaluation.inputs import (
     Collection,
     absent_queries,
-    add_usage,
-    billed_usage,
-    eval_runs,
-    evaluate,
-    failure_type,
-    fallback_reason,
     read_corpus,
     read_qrels,
     read_results,
+)
+from worker.evaluation.scoring import eval_runs, score_runs
+from worker.evaluation.served import (
+    add_usage,
+    billed_usage,
+    failure_type,
+    fallback_reason,
     score_results,
-    score_runs,
 )
 from worker.runtime.inprocess import Runtime, build_runtime
 from worker.settings import load_settings

@@ -19,7 +19,8 @@ from worker.cli._output import plain, progress_bar
 from worker.constants import MAX_LIMIT
 from worker.contract import Channel
 from worker.errors import ConfigError
-from worker.evaluation.harness import RunSpec, read_qrels
+from worker.evaluation.inputs import read_qrels
+from worker.evaluation.scoring import RunSpec
 from worker.evaluation.tuning import (
     CHANNELS,
     DEFAULT,
