@@ -46,6 +46,8 @@ class Observed:
     flood: dict[str, Any]
     metered: dict[str, Any]
     answered_429: int  # what the fake counted
+    at_once: dict[str, Any]  # a first metered search, before the flood
+    median_at_once: float  # the wait's median after it alone
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +57,19 @@ def observed(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterat
         workload = ["tests.rate_limit_workload", redis_url, fake.url, str(RPM)]
         with scrape_target(workdir, JOB, workload) as (target, prometheus):
             prometheus.wait_for_scrapes(JOB, 3)  # the zero series are in, so rates have a start
+            at_once = target.send("metered 1")  # the budget is full: sent without a wait
+            prometheus.wait_for_value("sum(sift_rate_budget_wait_seconds_count)", 1)
+            median = prometheus.values(
+                "histogram_quantile(0.5, sum by (le) (sift_rate_budget_wait_seconds_bucket))"
+            )[""]
             flood = target.send(f"flood {FLOOD}")
             metered = target.send(f"metered {METERED}")
+            metered = {key: metered[key] + at_once[key] for key in ("sent", "waited")}
             answered_429 = fake.rate_limited()
             prometheus.wait_for_value("sum(sift_provider_429_total)", answered_429)
             prometheus.wait_for_value("sum(sift_rate_budget_wait_seconds_count)", metered["sent"])
             prometheus.wait_for_more_scrapes(JOB, 2)
-            yield Observed(prometheus, flood, metered, answered_429)
+            yield Observed(prometheus, flood, metered, answered_429, at_once, median)
 
 
 def test_the_dashboard_has_the_issues_panels() -> None:
@@ -83,6 +91,13 @@ def test_the_429_series_counts_every_429_the_provider_sent(observed: Observed) -
         concrete("sum by (lane) (rate(sift_provider_429_total[$__rate_interval])) * 60"), by="lane"
     )
     assert per_minute["standard"] > 0
+
+
+def test_a_wait_s_quantiles_read_zero_while_no_call_waited(observed: Observed) -> None:
+    """A call sent at once waited 0 s, not the half of the first bucket (0.5 ms) Prometheus
+    interpolates to when that bucket's lower bound is not a bucket of its own."""
+    assert observed.at_once == {"sent": 1, "waited": 0}
+    assert observed.median_at_once == 0.0
 
 
 def test_the_wait_series_counts_every_metered_call_and_shows_the_wait(observed: Observed) -> None:

@@ -68,9 +68,11 @@ RERANK_BUCKETS: Final = (
     0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 31.0, 45.0, 60.0,
     120.0, 300.0, 600.0, 1800.0, 3600.0, 4 * 3600.0, 12 * 3600.0, 24 * 3600.0,
 )  # fmt: skip
-# a call's wait for the shared rate budget: none at all, up to the longest pause (a minute)
+# a call's wait for the shared rate budget: none at all, up to the longest pause (a minute).
+# Zero is a bucket of its own: a call sent at once waited exactly 0, and Prometheus's quantile
+# of a first bucket reaching 1 ms interpolates from 0 (every call at once read p50 0.5 ms)
 BUDGET_WAIT_BUCKETS: Final = (
-    0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0,
+    0.0, 0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0,
 )  # fmt: skip
 
 # --- the metrics ---
