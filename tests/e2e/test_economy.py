@@ -474,3 +474,48 @@ def test_an_item_finished_after_a_delete_returns_nothing_the_delete_removed(
             assert item["error"]["type"] == "index_not_found", item
             assert item["error"]["usage"]["requests"] == 1, item
             assert "fruit number" not in json.dumps(item)
+
+
+def test_an_item_returns_no_document_written_again_outside_its_filters(stack: Stack) -> None:
+    """An economy item reads its candidates again as stored when it finishes (hours after
+    its retrieval at most). A document written again meanwhile with metadata its search's
+    filters no longer keep (``{"vis": "public"}``, rewritten ``private``, with new text) was
+    still its hit, with its new metadata and text, and in the trace: the hard filters,
+    applied inside the retrieval, were not applied to what the finish read, and a search
+    asking for public documents returned a private one. Now it is in no hit, nor in the
+    trace's candidates, which name it in ``filtered_out_since_retrieval``; the others, and
+    one written again still inside the filters, show as stored."""
+    index = "eco-filters"
+    words = "apple banana cherry"
+    documents = [
+        {"id": f"d{i}", "text": f"{words} fruit number {i}", "metadata": {"vis": "public"}}
+        for i in range(6)
+    ]
+    ingest(stack, index, documents)
+    stack.model.configure(batch_processing_seconds=3.0)
+    body = {
+        "index": index,
+        "queries": [{"id": "q0", "query": words, "limit": 6, "filters": {"vis": "public"}}],
+        "rerank": True,
+        "lane": "economy",
+        "include_trace": True,
+    }
+    response = stack.live.post("/v1/batches", json=body, headers=ACME)
+    assert response.status_code == 202, response.text
+    batch_id = response.json()["id"]
+    _wait_for_provider_batches(stack, 1)  # the item prepared, its candidates kept
+    ingest(stack, index, [
+        {"id": "d0", "text": f"{words} now private", "metadata": {"vis": "private"}},
+        {"id": "d1", "text": f"{words} still public", "metadata": {"vis": "public", "v": 2}},
+    ])  # fmt: skip
+    done = _wait(stack, batch_id)
+    assert done["counts"]["succeeded"] == 1, done
+    result = _results(stack, batch_id)["q0"]["result"]
+    assert "now private" not in json.dumps(result), result
+    assert sorted(hit["id"] for hit in result["hits"]) == ["d1", "d2", "d3", "d4", "d5"]
+    assert all(hit["metadata"]["vis"] == "public" for hit in result["hits"]), result
+    assert "still public" in json.dumps(result["hits"]), result
+    trace = result["trace"]
+    assert trace["filtered_out_since_retrieval"] == ["d0"], trace
+    assert "deleted_since_retrieval" not in trace, trace
+    assert "d0" not in [c["id"] for c in trace["candidates"]], trace

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from worker.constants import POLICY_ID
-from worker.contract import SearchResult, SearchSpec
+from worker.contract import FilterValue, SearchResult, SearchSpec
 from worker.core.catalog import StoredDocument
 from worker.core.pipeline._hits import _trace_candidates
 from worker.core.policy import shown_head
@@ -51,8 +51,10 @@ def as_stored(prepared: Prepared, stored: Mapping[str, StoredDocument]) -> Prepa
     finished long after its retrieval (an economy item waits hours at most on its provider
     batch) returns nothing a delete finished meanwhile removed, and no text an upsert
     replaced. A candidate whose id ``stored`` lacks is ``gone``: in no hit, fallback or trace
-    (the trace names its id in ``deleted_since_retrieval``). The prompt stays as it was
-    sent: the model's positions refer to it.
+    (the trace names its id in ``deleted_since_retrieval``); so is one written again with
+    metadata the search's ``filters`` no longer keep (:func:`holds_filters`; the trace names
+    it in ``filtered_out_since_retrieval``), which its retrieval, filtered, would not find
+    now. The prompt stays as it was sent: the model's positions refer to it.
 
     >>> old = Candidate(Document("a", "old text", revision="1"), 1, 0.1, {}, {})
     >>> other = Candidate(Document("b", "b's text", revision="1"), 2, 0.1, {}, {})
@@ -60,20 +62,56 @@ def as_stored(prepared: Prepared, stored: Mapping[str, StoredDocument]) -> Prepa
     >>> now = as_stored(prepared, {"a": StoredDocument("a", "new text", "", "2")})
     >>> now.candidates[0].document.text, now.gone, now.trace["deleted_since_retrieval"]
     ('new text', frozenset({'b'}), ['b'])
+    >>> public = replace(prepared, spec=SearchSpec(index="i", query="q", filters={"vis": "pub"}))
+    >>> now = as_stored(public, {"a": StoredDocument("a", "x", "", "2", {"vis": "private"}),
+    ...                          "b": StoredDocument("b", "y", "", "2", {"vis": "pub"})})
+    >>> now.gone, now.trace["filtered_out_since_retrieval"], "deleted_since_retrieval" in now.trace
+    (frozenset({'a'}), ['a'], False)
     """
     candidates = [
         replace(c, document=_document(held)) if (held := stored.get(c.document.id)) else c
         for c in prepared.candidates
     ]
-    gone = frozenset(c.document.id for c in candidates if c.document.id not in stored)
+    deleted = {c.document.id for c in candidates if c.document.id not in stored}
+    filters = prepared.spec.filters
+    filtered = {
+        c.document.id
+        for c in candidates
+        if c.document.id in stored and not holds_filters(c.document.metadata, filters)
+    }
+    gone = frozenset(deleted | filtered)
     trace = dict(prepared.trace)
-    if gone:
-        trace["deleted_since_retrieval"] = sorted(gone)
+    if deleted:
+        trace["deleted_since_retrieval"] = sorted(deleted)
+    if filtered:
+        trace["filtered_out_since_retrieval"] = sorted(filtered)
     if "candidates" in trace:
         chars = int(trace["candidate_max_chars"])
         shown = _trace_candidates(candidates, prepared.prompt, chars)
         trace["candidates"] = [c for c in shown if c["id"] not in gone]
     return replace(prepared, candidates=candidates, trace=trace, gone=gone)
+
+
+def holds_filters(metadata: Mapping[str, FilterValue], filters: Mapping[str, FilterValue]) -> bool:
+    """Whether ``metadata`` holds every key of ``filters`` with an equal value, compared as
+    JSON values as both backends' filters compare them (docs/architecture.md, "Metadata
+    filters"): a boolean only itself, a string only itself, a number any number of the same
+    exact value.
+
+    >>> holds_filters({"year": 5.0, "lang": "en"}, {"year": 5, "lang": "en"}), holds_filters({}, {})
+    (True, True)
+    >>> [holds_filters({"k": v}, {"k": f}) for v, f in ((1, True), ("5", 5), (2**53 + 1, 2.0**53))]
+    [False, False, False]
+    >>> holds_filters({"other": 1}, {"k": 1})
+    False
+    """
+    return all(key in metadata and _same(metadata[key], value) for key, value in filters.items())
+
+
+def _same(held: FilterValue, wanted: FilterValue) -> bool:
+    if isinstance(held, bool | str) or isinstance(wanted, bool | str):
+        return type(held) is type(wanted) and held == wanted
+    return held == wanted
 
 
 def _document(stored: StoredDocument) -> Document:
