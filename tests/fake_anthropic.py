@@ -840,8 +840,13 @@ class FakeAnthropic:
             return self._state.rate_limited
 
     def usage(self) -> dict[str, int]:
-        """The sum of the usage of every answer sent, plus ``responses``: how many."""
+        """The sum of the usage of every answer sent, plus ``responses``: how many. A Message
+        Batch's requests count once it has ended, as the API bills them, whether or not any
+        call has read it since (a batch made twice is paid twice, though polled once)."""
         with self._lock:
+            for batch in self._state.batches.values():
+                if self._batch_status(batch) == "ended":
+                    self._end(batch)
             return {**self._state.usage, "responses": self._state.responses}
 
     def pending(self) -> int:
@@ -1472,6 +1477,7 @@ class FakeAnthropic:
                 return batch
             if self._batch_status(batch) != "ended":
                 return _error(400, "invalid_request_error", "the batch has not ended")
+            self._end(batch)  # billed as it ended, though no call read it
             del self._state.batches[batch.id]
             return JSONResponse({"id": batch.id, "type": "message_batch_deleted"})
 

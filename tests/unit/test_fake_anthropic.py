@@ -695,3 +695,40 @@ def test_an_outage_answers_its_statuses_in_turn_then_ends(fake: FakeAnthropic) -
     assert remote.counts()["prompts_answered_more_than_once"] == 0
     bad = httpx.post(f"{fake.url}/_fake/outage", json={"seconds": 1, "statuses": []})
     assert bad.status_code == 400 and "status" in bad.json()["error"]
+
+
+def test_a_batch_is_billed_as_it_ends_whether_or_not_anyone_reads_it() -> None:
+    """The API bills a Message Batch's requests as it processes them, not as its client
+    reads them: a provider batch made twice (a create whose answer was lost, sent again) is
+    paid twice though its client only ever polls one. The fake counted a batch's usage only
+    once a call read it ended (a retrieve, its results, the list), so a batch no one read
+    was free, and a deleted one unread too: a test comparing Sift's figures with the fake's
+    bill could not see the second payment. Now ``usage()`` counts every batch that has
+    ended, read or not, deleted or not, each once."""
+    request = {
+        "custom_id": "i0",
+        "params": {
+            "model": "claude-haiku-4-5",
+            "max_tokens": 200,
+            "messages": [{"role": "user", "content": "[1] a\n[2] b"}],
+        },
+    }
+    with FakeAnthropic(batch_processing_seconds=0.2) as fake:
+        client = anthropic.Anthropic(base_url=fake.url, api_key="k", max_retries=0)
+        unread = client.messages.batches.create(requests=[request])  # type: ignore[list-item]
+        while [b["status"] for b in fake.batches()] != ["ended"]:  # the fake's own view
+            time.sleep(0.05)
+        assert fake.usage()["responses"] == 1  # ended, never read
+        assert fake.usage()["responses"] == 1  # counted once
+        fake.configure(batch_processing_seconds=0.0)
+        read = client.messages.batches.create(requests=[request])  # type: ignore[list-item]
+        assert len(list(client.messages.batches.results(read.id))) == 1
+        client.messages.batches.delete(unread.id)
+        fake.configure(batch_processing_seconds=60.0)
+        deleted = client.messages.batches.create(requests=[request])  # type: ignore[list-item]
+        fake.configure(batch_processing_seconds=0.0)
+        client.messages.batches.delete(deleted.id)  # ended by the setting, never read
+        assert [b["id"] for b in fake.batches()] == [read.id]
+        billed = fake.usage()
+        assert billed["responses"] == 3, billed
+        assert billed["input_tokens"] == 3 * fake.count_input_tokens(request["params"])
