@@ -483,8 +483,9 @@ def test_an_item_returns_no_document_written_again_outside_its_filters(stack: St
     still its hit, with its new metadata and text, and in the trace: the hard filters,
     applied inside the retrieval, were not applied to what the finish read, and a search
     asking for public documents returned a private one. Now it is in no hit, nor in the
-    trace's candidates, which name it in ``filtered_out_since_retrieval``; the others, and
-    one written again still inside the filters, show as stored."""
+    trace's candidates, which name it in ``filtered_out_since_retrieval`` (the model's pick
+    of it dropped as ``filtered_out``); the others, and one written again still inside the
+    filters, show as stored."""
     index = "eco-filters"
     words = "apple banana cherry"
     documents = [
@@ -519,3 +520,6 @@ def test_an_item_returns_no_document_written_again_outside_its_filters(stack: St
     assert trace["filtered_out_since_retrieval"] == ["d0"], trace
     assert "deleted_since_retrieval" not in trace, trace
     assert "d0" not in [c["id"] for c in trace["candidates"]], trace
+    # the model's pick of it dropped as what happened to it, not as deleted
+    assert len(trace["returned_positions"]) == 6, trace  # the fake picks every candidate
+    assert [d["reason"] for d in trace["dropped_positions"]] == ["filtered_out"], trace

@@ -29,10 +29,11 @@ class Prepared:
     answer (or the failure) into the result. ``seconds`` is the time the first half took.
     ``trace`` lists the candidates only when the search asked for its trace
     (``include_trace``): otherwise no one reads it, and it is a dict per candidate.
-    ``gone``: the candidates' ids deleted since their retrieval (:func:`as_stored`), in no
-    hit. ``policy``: the prompt policy of the prompt the answer is to, which names the
-    rerank in the result and its metrics: this release's, but an economy item prepared, or
-    sent, by an older release may have had an older one's (:func:`load_prepared`).
+    ``gone``: the candidates' ids deleted since their retrieval, or written again outside
+    the search's filters (those also in ``filtered_out``) (:func:`as_stored`), in no hit.
+    ``policy``: the prompt policy of the prompt the answer is to, which names the rerank in
+    the result and its metrics: this release's, but an economy item prepared, or sent, by an
+    older release may have had an older one's (:func:`load_prepared`).
     """
 
     spec: SearchSpec
@@ -43,6 +44,7 @@ class Prepared:
     skipped: bool = False
     seconds: float = 0.0
     gone: frozenset[str] = field(default_factory=frozenset)
+    filtered_out: frozenset[str] = field(default_factory=frozenset)
     policy: str = POLICY_ID
 
 
@@ -89,7 +91,9 @@ def as_stored(prepared: Prepared, stored: Mapping[str, StoredDocument]) -> Prepa
         chars = int(trace["candidate_max_chars"])
         shown = _trace_candidates(candidates, prepared.prompt, chars)
         trace["candidates"] = [c for c in shown if c["id"] not in gone]
-    return replace(prepared, candidates=candidates, trace=trace, gone=gone)
+    return replace(
+        prepared, candidates=candidates, trace=trace, gone=gone, filtered_out=frozenset(filtered)
+    )
 
 
 def holds_filters(metadata: Mapping[str, FilterValue], filters: Mapping[str, FilterValue]) -> bool:

@@ -53,8 +53,13 @@ def rerank_result(
         )
 
     figures.append(partial(recorder.rerank_done, model, "ok", run.seconds))
-    deleted = {i for i, c in enumerate(candidates, 1) if c.document.id in gone} if gone else ()
-    normalised = normalise_positions(reply.positions, len(candidates), spec.limit, deleted)
+    out = prepared.filtered_out
+    dropped = {
+        i: "filtered_out" if c.document.id in out else "deleted"
+        for i, c in enumerate(candidates, 1)
+        if c.document.id in gone
+    }
+    normalised = normalise_positions(reply.positions, len(candidates), spec.limit, dropped)
     trace["kept_positions"] = list(normalised.kept)
     trace["dropped_positions"] = [
         {"value": d.value, "reason": d.reason} for d in normalised.dropped
