@@ -185,11 +185,8 @@ def test_sift_batch_outwaits_the_claim_of_a_submit_whose_gateway_died(
     from its own first send, which came earlier: it gave up on the 409 ("retry") before the
     key was free, exit 1 and no batch made, whenever the claim came a few seconds in (a big
     body's parse). Now the submit retries for the marker's life past its own window."""
-    for module in ("worker.cli._http", "worker.cli.client._batch"):
-        monkeypatch.setattr(f"{module}.RETRY_SECONDS", SCALED_SECONDS)
-    monkeypatch.setattr(
-        "worker.cli.client._batch.IDEMPOTENCY_PENDING_TTL_SECONDS", SCALED_SECONDS, raising=False
-    )
+    monkeypatch.setattr("worker.cli._http.RETRY_SECONDS", SCALED_SECONDS)
+    monkeypatch.setattr("worker.cli._http.IDEMPOTENCY_PENDING_TTL_SECONDS", SCALED_SECONDS)
     server = _Proxy(stack.live_url)
     server.RequestHandlerClass = _DeadClaimHandler
     server.redis_url = stack.redis_url + "/0"  # type: ignore[attr-defined]

@@ -15,9 +15,18 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from tests.e2e.conftest import KEYS, Stack
+import pytest
+import redis
+from typer.testing import CliRunner
+
+from api_gateway.schemas import DocumentsRequest
+from tests.e2e.conftest import ACME, KEYS, Stack
+from tests.e2e.test_batch_cli_gateway_restart import _Handler, _Proxy
 from tests.e2e.test_ingest_interrupt import _corpus, _indexed, sift_ingest
-from tests.services import free_port, gateway
+from tests.services import free_port, gateway, served
+from worker.cli import app
+from worker.queue.jobstore import IdempotencyOutcome, JobStore, fingerprint
+from worker.queue.jobstore.idempotency import _idem_key
 
 DOWN_SECONDS = 3.0
 
@@ -42,4 +51,66 @@ def test_sift_ingest_retries_its_requests_through_a_gateway_restart(
     assert code == 0, err
     assert "trying again" in err, err  # the retries are said, as sift batch says them
     assert ".; trying again" not in err, err  # "...`sift up`.; trying again" read as a typo
+    assert _indexed(stack, index) == set(ids)
+
+
+# The retry window and the pending marker's life, scaled down alike (both 120 s in Sift):
+# the race is between the two, not in their size
+SCALED_SECONDS = 5.0
+CLAIM_AFTER_SECONDS = 3.0
+
+
+class _DeadClaimHandler(_Handler):
+    """The first upsert is claimed (its Idempotency-Key's pending marker, as the gateway
+    writes it, to live ``SCALED_SECONDS``) ``CLAIM_AFTER_SECONDS`` after it came in (a big
+    body parsed first), and then its gateway dies: no job, no answer, and the marker answers
+    ``409 idempotency_key_in_progress`` until it expires. Every other request is forwarded."""
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("content-length") or 0))
+        key = self.headers.get("idempotency-key")
+        route = f"POST {self.path.split('?')[0]}"
+        with self.server.lock:
+            self.server.batch_posts.append(key)  # each upsert's key
+            first = len(self.server.batch_posts) == 1
+        if first and key:
+            time.sleep(CLAIM_AFTER_SECONDS)
+            documents = DocumentsRequest.model_validate_json(body).model_dump(mode="json")
+            url = self.server.redis_url  # type: ignore[attr-defined]
+            claim = JobStore.from_url(url).claim_idempotency(
+                "acme", key, fingerprint(route, documents)
+            )
+            assert claim.outcome is IdempotencyOutcome.NEW, claim
+            marker = _idem_key("acme", key)
+            assert redis.Redis.from_url(url).pexpire(marker, int(SCALED_SECONDS * 1000))
+            self.close_connection = True
+            return
+        self._answer(self._forward(body))
+
+
+def test_sift_ingest_outwaits_the_claim_of_an_upsert_whose_gateway_died(
+    stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An upsert whose gateway died between claiming its key and making the job leaves the
+    key "in progress" for ``IDEMPOTENCY_PENDING_TTL_SECONDS`` (120 s) from that claim. ``sift
+    ingest`` retried for ``RETRY_SECONDS`` (120 s) from its own first send, which came
+    earlier: it gave up on the 409 before the key was free, exit 1, nothing indexed. It now
+    retries for the same window as ``sift search``, ``sift batch`` and the deletes: the
+    marker's life past the retry window."""
+    monkeypatch.setattr("worker.cli._http.RETRY_SECONDS", SCALED_SECONDS)
+    monkeypatch.setattr("worker.cli._http.IDEMPOTENCY_PENDING_TTL_SECONDS", SCALED_SECONDS)
+    corpus, ids = _corpus(tmp_path, 3)
+    index = "cli-dead-claim"
+    server = _Proxy(stack.live_url)
+    server.RequestHandlerClass = _DeadClaimHandler
+    server.redis_url = stack.redis_url + "/0"  # type: ignore[attr-defined]
+    with served(server):
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        env = {"SIFT_URL": url, "SIFT_API_KEY": ACME["Authorization"].split()[1],
+               "COLUMNS": "200", "NO_COLOR": "1"}  # fmt: skip
+        result = CliRunner().invoke(app, ["ingest", str(corpus), "--index", index], env=env)
+    said = " ".join(result.output.split())
+    assert result.exit_code == 0, said
+    assert "has not created its job yet; retry after 1 s; trying again" in said, said
+    assert len(set(server.batch_posts)) == 1 and len(server.batch_posts) > 2, server.batch_posts
     assert _indexed(stack, index) == set(ids)

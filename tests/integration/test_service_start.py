@@ -267,7 +267,9 @@ def test_a_starting_gateway_says_it_stored_nothing(
     log = service.log
     proc = service.start()
     url = f"http://127.0.0.1:{service.port}"
-    monkeypatch.setattr("worker.cli.indexes.SUBMIT_RETRY_SECONDS", 3.0)  # its 4 minutes' tries, cut
+    # its 4 minutes' tries, cut
+    monkeypatch.setattr("worker.cli._http.RETRY_SECONDS", 1.5)
+    monkeypatch.setattr("worker.cli._http.IDEMPOTENCY_PENDING_TTL_SECONDS", 1.5)
     cli_env = {"SIFT_URL": url, "SIFT_API_KEY": ACME_KEY["key"], "COLUMNS": "200"}
     try:
         live = lambda: httpx.get(url + "/healthz", timeout=1).status_code == 200  # noqa: E731

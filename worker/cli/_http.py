@@ -21,7 +21,12 @@ from tenacity import (
 )
 
 from worker.cli._common import cli_settings
-from worker.constants import ERROR_JOB_STORE_FULL, ERROR_STARTING, ERROR_TENANT_REMOVED
+from worker.constants import (
+    ERROR_JOB_STORE_FULL,
+    ERROR_STARTING,
+    ERROR_TENANT_REMOVED,
+    IDEMPOTENCY_PENDING_TTL_SECONDS,
+)
 from worker.contract import INDEX_PATTERN
 from worker.core.budget import answer_date, retry_after_seconds
 
@@ -39,6 +44,15 @@ MAX_RETRY_AFTER_SECONDS = 30.0
 MAX_INDEX_CHARS = 128  # the gateway's IndexName
 # The 503 types of a gateway that stored nothing: its Redis full, or the gateway still starting
 NOTHING_STORED = frozenset({ERROR_JOB_STORE_FULL, ERROR_STARTING})
+
+
+def submit_retry_seconds() -> float:
+    """How long a submission with an ``Idempotency-Key`` (an upsert, a delete, a search, a
+    batch) is sent again: ``RETRY_SECONDS``, and past them the life of a key's claim. A send
+    whose gateway died between claiming the key and making the job leaves the key ``409
+    idempotency_key_in_progress`` for ``IDEMPOTENCY_PENDING_TTL_SECONDS`` from that claim,
+    which may come late in the window: the resends outwait it, and then make the job."""
+    return RETRY_SECONDS + IDEMPOTENCY_PENDING_TTL_SECONDS
 
 
 def index_name(value: str | None) -> str | None:

@@ -35,11 +35,11 @@ from worker.cli._http import (
     gateway,
     index_name,
     segment,
+    submit_retry_seconds,
     utf8_text,
 )
 from worker.cli._output import counted, local_time, plain, print_fitted, progress_bar
 from worker.constants import (
-    IDEMPOTENCY_PENDING_TTL_SECONDS,
     MAX_DOCUMENTS_PER_REQUEST,
     MAX_PAGE_SIZE,
     MAX_WAIT_SECONDS,
@@ -69,8 +69,6 @@ DEFAULT_DOCUMENTS_SHOWN = 20
 PREVIEW_SHOWN = 60  # characters of each text in the table (--json has the API's 200)
 INDEX_FIELDS = ("name", "documents")  # an index's metadata holds them (else: not Sift's)
 JOB_FIELDS = ("id", "status")  # a job's answer holds them
-# a delete's submission is sent again this long (:func:`_submit_delete`)
-SUBMIT_RETRY_SECONDS = RETRY_SECONDS + IDEMPOTENCY_PENDING_TTL_SECONDS
 
 
 def _print_json(console: Console, value: Any) -> None:
@@ -162,7 +160,7 @@ def _submit_delete(client: Gateway, method: str, path: str, **kwargs: Any) -> di
     try:
         job: dict[str, Any] = client.json(
             method, path, params={"wait": MAX_WAIT_SECONDS}, fields=JOB_FIELDS,
-            headers={"Idempotency-Key": uuid.uuid4().hex}, retry_for=SUBMIT_RETRY_SECONDS,
+            headers={"Idempotency-Key": uuid.uuid4().hex}, retry_for=submit_retry_seconds(),
             **kwargs,
         )  # fmt: skip
     except GatewayError as exc:

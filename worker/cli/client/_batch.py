@@ -32,7 +32,6 @@ from worker.cli._common import (
 )
 from worker.cli._http import (
     FINAL_STATUSES,
-    RETRY_SECONDS,
     Gateway,
     GatewayError,
     gateway,
@@ -40,6 +39,7 @@ from worker.cli._http import (
     json_of,
     json_size,
     sift_answer,
+    submit_retry_seconds,
 )
 from worker.cli._output import plain, progress_bar, usage_line
 from worker.cli.client._input import (
@@ -50,7 +50,6 @@ from worker.cli.client._input import (
     query_from,
 )
 from worker.constants import (
-    IDEMPOTENCY_PENDING_TTL_SECONDS,
     LANE_ECONOMY,
     LANE_STANDARD,
     LANES,
@@ -194,10 +193,9 @@ def submit(client: Gateway, body: dict[str, Any], key: str) -> tuple[dict[str, A
     since (``sift erase``) is not, said on stderr: its key answers ``410 erased`` for its 24
     hours, and the run failed with that bare answer."""
     # one key for every resend: a submit whose answer was lost (the gateway restarting) is
-    # answered with the batch it made, never made twice. A send whose gateway died between
-    # claiming the key and making the batch leaves it 409 "in progress" for the pending
-    # marker's life from that claim, which may come late in the window: the submit outwaits it
-    window = RETRY_SECONDS + IDEMPOTENCY_PENDING_TTL_SECONDS
+    # answered with the batch it made, never made twice; a key left "in progress" by a
+    # gateway that died before it made the batch is outwaited (submit_retry_seconds)
+    window = submit_retry_seconds()
     while True:
         try:
             response = client.request(

@@ -40,6 +40,7 @@ from worker.cli._http import (
     json_of,
     segment,
     sift_answer,
+    submit_retry_seconds,
 )
 from worker.cli._output import plain, progress_bar
 from worker.cli.client._input import (
@@ -67,7 +68,8 @@ def _send_documents(
 
     The gateway answers 200 with the finished job when it finished within ``wait``, else
     202 with a job to poll at ``GET /v1/ingestions/{id}``. A transient failure (the gateway
-    restarting, a 503) is sent again for ``RETRY_SECONDS``, as the poll is. A batch over
+    restarting, a 503, a key left in progress by a gateway that died) is sent again for
+    :func:`submit_retry_seconds`, as every keyed submission is. A batch over
     the gateway's body limit (413: 500 documents of up to 100,000 characters each pass its
     32 MiB) is sent again in halves, in order; a document alone over it is named.
     ``on_indexed`` is called with the number of documents of each request whose job
@@ -92,7 +94,7 @@ def _send_documents(
             params={"wait": 30},
             json={"documents": documents},
             headers={"Idempotency-Key": uuid.uuid4().hex},
-            retry_for=RETRY_SECONDS,
+            retry_for=submit_retry_seconds(),
         )
     except GatewayError as exc:
         if exc.status_code != HTTPStatus.REQUEST_ENTITY_TOO_LARGE:

@@ -13,17 +13,17 @@ from worker.cli._app import app
 from worker.cli._common import EXIT_INTERRUPTED, _err, _expected_errors, _out, one_of
 from worker.cli._http import (
     FINAL_STATUSES,
-    RETRY_SECONDS,
     GatewayError,
     gateway,
     index_name,
     json_of,
     sift_answer,
+    submit_retry_seconds,
     utf8_text,
 )
 from worker.cli._output import plain, print_result, trace_lines, usage_line
 from worker.cli.client._input import MODES
-from worker.constants import IDEMPOTENCY_PENDING_TTL_SECONDS, MAX_LIMIT, MAX_WAIT_SECONDS
+from worker.constants import MAX_LIMIT, MAX_WAIT_SECONDS
 
 
 def _print_search(console: Console, job: dict[str, Any], *, trace: bool) -> None:
@@ -114,10 +114,9 @@ def search(
                 # gateway restart): a submit whose answer was lost is answered with the
                 # search it made, never run and paid for twice (as `sift batch` sends)
                 key = {"Idempotency-Key": f"sift-search-{uuid.uuid4().hex}"}
-                window = RETRY_SECONDS + IDEMPOTENCY_PENDING_TTL_SECONDS
                 response = client.request(
                     "POST", "/v1/searches", json=body, params={"wait": wait}, headers=key,
-                    retry_for=window,
+                    retry_for=submit_retry_seconds(),
                 )  # fmt: skip
                 answer = json_of(response, "POST", "/v1/searches")
                 job = submitted = sift_answer(answer, "POST", "/v1/searches", ("id", "status"))
