@@ -24,6 +24,7 @@ from worker.constants import (
     BATCH_SPECS_KEY,
     BATCH_STAGE_SLICE,
     BATCH_STAGING_TTL_SECONDS,
+    ERROR_TENANT_REMOVED,
     IDEMPOTENCY_KEY,
     IDEMPOTENCY_PENDING_TTL_SECONDS,
     IDEMPOTENCY_TTL_SECONDS,
@@ -193,6 +194,28 @@ def test_each_final_move_with_a_webhook_records_it_owed_until_settled(store: Job
         store.webhook_settled(job_id, "delivered", 1)
     store.webhook_due(search.id, time.time())  # settled: not owed again
     assert store.redis.zcard(WEBHOOKS_OWED_KEY) == 0
+
+
+def test_a_cancel_completing_a_removed_tenant_s_batch_writes_no_webhook_message(
+    store: JobStore,
+) -> None:
+    """A batch with an item failed ``tenant_removed``, completed by a cancel: its webhook
+    settles ``failed`` after 0 attempts in the cancel's script (no key is left to sign it),
+    and the cancel writes no webhook message. It wrote one, whose task found the webhook
+    settled and dropped it as a copy ("settled already; this copy is dropped")."""
+    from worker.queue.jobstore import WebhookState
+
+    hook = "https://hooks.example/x"
+    batch = store.create_batch("acme", "docs", [("a", spec()), ("b", spec())], webhook_url=hook)
+    assert store.start_item(batch.id, "a")
+    removed = ErrorInfo(type=ERROR_TENANT_REMOVED, message="tenant 'acme' has no key")
+    assert store.finish_item(batch.id, "a", error=removed).applied
+    hooks = [("q.hooks", "batch.completed")]
+    assert store.cancel_batch(batch.id, announce=hooks) == (1, True)
+    got = store.get_batch(batch.id)
+    assert got is not None and got.webhook == WebhookState("failed", 0)
+    assert store.redis.zscore(WEBHOOKS_OWED_KEY, batch.id) is None
+    assert store.redis.llen("q.hooks") == 0
 
 
 def test_a_job_s_record_says_where_its_webhook_stands_in_every_order(store: JobStore) -> None:

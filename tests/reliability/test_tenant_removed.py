@@ -30,7 +30,7 @@ from tests.keys import ACME, ACME_KEY, GLOBEX, GLOBEX_KEY
 from tests.reliability.support import INDEX, all_results, ingest, stack_env, wait_for
 from tests.services import celery_worker, free_port, gateway, redis_server, webhook_inbox
 from worker.adapters.embedded import EmbeddedBackend
-from worker.constants import METRIC_JOB_FAILURES, STATS_KEY
+from worker.constants import METRIC_JOB_FAILURES, STATS_KEY, WEBHOOK_QUEUE, kombu_queue_keys
 
 pytestmark = pytest.mark.integration
 
@@ -171,7 +171,9 @@ def test_a_removed_tenants_queued_work_is_not_run_nor_billed(tmp_path: Path) -> 
 def test_a_removed_tenants_webhook_reads_failed_once_its_job_is_final(tmp_path: Path) -> None:
     """The webhooks queue backed up (no worker consumes it): the search and the batch of a
     removed tenant read ``failed`` after 0 attempts as soon as they are final, not ``pending``
-    until a webhook task runs that can only give up."""
+    until a webhook task runs that can only give up. And the finish that settled them queues
+    no webhook message: it queued one each, whose task found the webhook settled and dropped
+    it as a copy ("settled already; this copy is dropped")."""
     with (
         redis_server(tmp_path / "redis") as base_url,
         FakeAnthropic() as model,
@@ -199,6 +201,10 @@ def test_a_removed_tenants_webhook_reads_failed_once_its_job_is_final(tmp_path: 
             ):
                 found = _final(client, f"/v1/searches/{search}", ACME)
                 ran = _final(client, f"/v1/batches/{batch}", ACME)
+            # the worker stopped: every task that finished a job has returned
+            with redis.Redis.from_url(base_url + "/0") as broker:
+                queued = sum(int(broker.llen(key)) for key in kombu_queue_keys(WEBHOOK_QUEUE))
+            assert queued == 0, queued
             assert found["status"] == "failed", found
             assert found["error"]["type"] == "tenant_removed", found
             assert ran["counts"]["failed"] == 3, ran

@@ -447,7 +447,13 @@ class SiftTask(Task):  # type: ignore[misc]
     def send_webhook(
         self, event_type: str, job_id: str, tenant: str, url: str, status: str
     ) -> None:
-        """Enqueue one webhook delivery; its id is stable, so every retry carries the same one."""
+        """Enqueue one webhook delivery; its id is stable, so every retry carries the same one.
+        None for a webhook already settled: a removed tenant's, settled ``failed`` by the move
+        that made its job final (nothing can sign it). It was queued all the same, and its
+        task dropped it as a copy ("settled already; this copy is dropped")."""
+        if self.context.store.webhook_was_settled(job_id):
+            log.info("webhook %s: settled already; none queued", job_id)
+            return
         event = webhook_event(event_type, job_id, tenant, url, status)
         self.app.send_task(WEBHOOK_TASK, args=[event], queue=WEBHOOK_QUEUE)
 

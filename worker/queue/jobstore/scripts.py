@@ -27,18 +27,21 @@ end
 # Records the webhook of a job (or batch) just made final owed in ``owed``, due ``now``; or,
 # when its record says its tenant was removed (``tenant_removed``: the failure of a search
 # that ended so, or a batch with an item that did), settles it ``failed`` after 0 attempts at
-# once, in the script that makes the job final: no key is left to sign it. (A job that ended
-# before its tenant's removal is owed as any, and reads ``pending`` until a webhook task gives
-# it up: worker/queue/webhook_task.py.)
+# once, in the script that makes the job final: no key is left to sign it. Returns true when
+# it settled it so: then no webhook message is to be sent (a cancel's script pushes none; a
+# worker's finish checks the record, SiftTask.send_webhook). (A job that ended before its
+# tenant's removal is owed as any, and reads ``pending`` until a webhook task gives it up:
+# worker/queue/webhook_task.py.)
 _OWE_WEBHOOK = """
 local function owe_webhook(record, owed, now, id)
   local hook = redis.call('HGET', record, 'webhook_url')
-  if not hook or hook == '' then return end
+  if not hook or hook == '' then return false end
   if redis.call('HEXISTS', record, 'tenant_removed') == 1 then
     redis.call('HSET', record, 'webhook_settled', 'failed', 'webhook_attempts', '0')
-  else
-    redis.call('ZADD', owed, now, id)
+    return true
   end
+  redis.call('ZADD', owed, now, id)
+  return false
 end
 """
 
@@ -246,7 +249,8 @@ _REQUEUE_ITEM = "#!lua flags=allow-oom" + _TRANSITION_ITEM
 #   - the provider cancel's (an economy batch's sift.economy_cancel: pushed if the cancel
 #     leaves the batch running, so its provider batches are canceled even when this reply
 #     is lost or its gateway dies);
-#   - those pushed if the cancel completes the batch (its webhook).
+#   - those pushed if the cancel completes the batch (its webhook), unless that completion
+#     settled the webhook (a removed tenant's: _OWE_WEBHOOK), which has nothing to send.
 # A cancel that completes the batch canceled at least one item (a running one would have
 # kept it open), so the batch ends ``canceled``; it records the batch's webhook owed, as a
 # final move does.
@@ -293,12 +297,14 @@ local completed = 0
 if done >= total and redis.call('HSETNX', KEYS[3], 'finished_at', ARGV[1]) == 1 then
   redis.call('ZREM', KEYS[5], ARGV[2])
   completed = 1
-  owe_webhook(KEYS[3], KEYS[6], ARGV[1], ARGV[2])
+  local settled = owe_webhook(KEYS[3], KEYS[6], ARGV[1], ARGV[2])
   for _, i in ipairs({1, 2, 3, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17}) do
     redis.call('EXPIRE', KEYS[i], tonumber(ARGV[5]))
   end
   redis.call('DEL', KEYS[18], KEYS[19], KEYS[20])
-  for i = 21 + counted + provider, #KEYS do redis.call('LPUSH', KEYS[i], ARGV[i - 15]) end
+  if not settled then
+    for i = 21 + counted + provider, #KEYS do redis.call('LPUSH', KEYS[i], ARGV[i - 15]) end
+  end
 end
 if provider == 1 and completed == 0 then
   redis.call('LPUSH', KEYS[21 + counted], ARGV[6 + counted])
