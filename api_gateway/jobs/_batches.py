@@ -43,6 +43,7 @@ from api_gateway.jobs._shared import (
     erase,
     gone,
     not_there,
+    replay_gone,
     results_size,
     router,
 )
@@ -203,8 +204,11 @@ async def create_batch(
                 )
             batch_id, made = batch.id, batch
     try:
-        if made is None:
-            batch = await _owned_batch(request, batch_id, tenant)
+        if made is None:  # an earlier request's, by its key
+            found = await off_loop(store.get_batch, batch_id)
+            if found is None or found.tenant != tenant:
+                raise await replay_gone(request, "batch", batch_id, tenant)
+            batch = found
         elif (found := await off_loop(store.get_batch, batch_id)) is None:
             # erased by its tenant since the commit, or Redis came back empty
             raise await gone(request, "batch", batch_id, tenant)

@@ -32,6 +32,7 @@ from api_gateway.jobs._shared import (
     _create_and_enqueue,
     _in_store,
     _lost,
+    key_job_gone,
     router,
 )
 from api_gateway.schemas import DocumentsRequest, IngestJobOut, iso
@@ -206,7 +207,7 @@ async def submit_write(
             return await ingest_response(request, job, wait)
     earlier = await off_loop(store.get_ingest, job_id)
     if earlier is None:
-        raise _lost("ingest", job_id)
+        raise key_job_gone("ingest", job_id)
     response = await ingest_response(request, earlier, wait)
     response.headers[REPLAYED_HEADER] = "true"
     return response

@@ -49,7 +49,9 @@ IdemKey = Annotated[
         json_schema_extra={"maxLength": MAX_IDEMPOTENCY_KEY_CHARS},  # checked by _within_bytes
         description="Same key and body: the same job. Different body: 422. "
         "While the first request has not made its job yet: 409, with `Retry-After: "
-        f"{IN_PROGRESS_RETRY_AFTER_SECONDS}`. At most 255 bytes as sent "
+        f"{IN_PROGRESS_RETRY_AFTER_SECONDS}`. Its job erased: 410 `erased`; no longer kept "
+        "(the job store lost it): 410 `idempotency_key_job_gone`, for the key's 24 hours: "
+        "send the request with a new key to make the job again. At most 255 bytes as sent "
         "(the header's bytes are read one character each): ASCII is recommended.",
     ),
     AfterValidator(_within_bytes),

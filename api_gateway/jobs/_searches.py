@@ -38,6 +38,7 @@ from api_gateway.jobs._shared import (
     erase,
     gone,
     not_there,
+    replay_gone,
     results_size,
     router,
 )
@@ -191,7 +192,7 @@ async def _answer_search(
     if job is None and fresh is not None:  # erased by its tenant meanwhile, or lost
         raise await gone(request, "search", job_id, tenant)
     if job is None or job.tenant != tenant:  # an earlier request's, by its key
-        raise await not_there(request, "search", job_id, tenant, hint=" (expired?)")
+        raise await replay_gone(request, "search", job_id, tenant)
     return _search_response(request, job)
 
 

@@ -414,6 +414,35 @@ async def gone(request: Request, kind: ErasableKind, job_id: str, tenant: str) -
     return answer if answer.status == 410 else _lost(kind, job_id)
 
 
+def key_job_gone(kind: str, job_id: str) -> ApiError:
+    """The answer of a request sent again with its ``Idempotency-Key``, bound to ``job_id``,
+    whose record the job store no longer holds (a Redis restored without it, a purge under
+    way): ``410`` naming the key, the same for each resend while the key stays bound (its
+    24 hours). It was a ``503`` saying to send the request again (an ingest), which replayed
+    the same missing job until then, or a ``404`` naming ``id`` (a search, a batch), which the
+    request has none of. A new key makes the job again: the client's call, not the
+    gateway's, as the first one may have run (a write made again is newer than a write of
+    its ids accepted since)."""
+    with job_context(job_id):
+        log.warning("%s %s: its Idempotency-Key's job is gone from the job store", kind, job_id)
+    return ApiError(
+        410,
+        "idempotency_key_job_gone",
+        f"Idempotency-Key: its {kind} {job_id!r} is no longer kept (the job store lost its "
+        "record), so what it did cannot be read, and this key answers so until it expires; "
+        f"send the request with a new Idempotency-Key to make the {kind} again",
+        field="Idempotency-Key",
+    )
+
+
+async def replay_gone(request: Request, kind: ErasableKind, job_id: str, tenant: str) -> ApiError:
+    """The answer of a request sent again with its ``Idempotency-Key``, bound to ``job_id``,
+    that finds the job gone: ``410 erased`` when ``tenant`` erased it, else
+    :func:`key_job_gone`."""
+    answer = await not_there(request, kind, job_id, tenant)
+    return answer if answer.status == 410 else key_job_gone(kind, job_id)
+
+
 def _lost(kind: str, job_id: str) -> ApiError:
     """The answer of a request whose job Redis lost while it waited on it (a restart without
     its data: the record, and the task message unless a worker had taken it): no outcome of

@@ -176,7 +176,7 @@ def test_a_batch_erased_since_its_run_is_sent_again_as_a_new_one(
     again = _sift(stack.live_url, *args)
     assert again.exit_code == 0, again.output
     said = " ".join(again.output.split())
-    assert "batch of this file was erased" in said and first in said, said
+    assert "batch of this file is no longer kept" in said and first in said, said
     assert "sending the file as a new batch" in said, said
     made = set(_batches(stack, stack.live_url)) - set(before)
     assert first not in made and len(made) == 1, made

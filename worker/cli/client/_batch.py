@@ -203,9 +203,9 @@ def submit(client: Gateway, body: dict[str, Any], key: str) -> tuple[dict[str, A
                 retry_for=window,
             )  # fmt: skip
         except GatewayError as exc:
-            if exc.status_code != HTTPStatus.GONE:  # on a POST, only a replay of an erased one
+            if exc.status_code != HTTPStatus.GONE:  # on a POST, a replay of an erased or lost one
                 raise
-            _err().print(f"an earlier run's batch of this file was erased ({exc.message}); "
+            _err().print(f"an earlier run's batch of this file is no longer kept ({exc.message}); "
                          "sending the file as a new batch", soft_wrap=True)  # fmt: skip
             key = _key_after(key)
             continue
