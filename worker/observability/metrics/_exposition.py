@@ -12,6 +12,7 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     REGISTRY,
     CollectorRegistry,
+    disable_created_metrics,
     generate_latest,
     start_http_server,
 )
@@ -23,7 +24,12 @@ from worker.observability.metrics._series import preregister
 
 
 def exposition_registry() -> Collector:
-    """What ``/metrics`` serves: every process summed in multiprocess mode, else this one."""
+    """What ``/metrics`` serves: every process summed in multiprocess mode, else this one.
+    Without prometheus-client's ``*_created`` series (each counter's, histogram's and
+    summary's creation time, a gauge per child), which docs/observability.md does not name
+    and nothing reads: a gateway or a one-process worker serving its own registry exported
+    them (193 on an idle gateway); the multiprocess files never held them."""
+    disable_created_metrics()  # type: ignore[no-untyped-call]  # read as each scrape collects
     directory = multiprocess_dir()
     if directory is None:
         return REGISTRY
