@@ -251,8 +251,14 @@ SearchedText = Annotated[QueryText, AfterValidator(_searchable)]
 # (a 422 naming it), not a value to convert: `"limit": true` ran a one-hit search, `"rerank":
 # "yes"` reranked. JSON's integers and booleans, and what Sift stores, are unchanged. A
 # weight is a JSON number (an integer is taken as its float): `"knn": false` was a weight of
-# 0, which turned the channel off, and `"bm25": "2"` or `true` a weight of 2 or 1.
-Weight = Annotated[float, Strict(), Field(ge=0.0, le=MAX_FUSION_WEIGHT, allow_inf_nan=False)]
+# 0, which turned the channel off, and `"bm25": "2"` or `true` a weight of 2 or 1. `-0.0`
+# passes `ge=0` and is taken as 0 (`abs`): it was stored and shown as `-0.0`.
+Weight = Annotated[
+    float,
+    Strict(),
+    Field(ge=0.0, le=MAX_FUSION_WEIGHT, allow_inf_nan=False),
+    AfterValidator(abs),
+]
 RankConstant = Annotated[int, Strict(), Field(ge=1, le=MAX_RANK_CONSTANT)]
 CandidateLimit = Annotated[int, Strict(), Field(ge=1, le=MAX_CANDIDATE_LIMIT)]
 Limit = Annotated[int, Strict(), Field(ge=1, le=MAX_LIMIT)]

@@ -311,3 +311,22 @@ def test_sift_index_set(stack: Stack) -> None:
     assert "fusion.weights.knn" not in bad.output  # the API's field, not the option
     reset = runner.invoke(app, ["index", "set", "fusion-cli", "--reset", "--json"], env=env)
     assert reset.exit_code == 0 and json.loads(reset.stdout)["settings"] == DEFAULTS
+
+
+def test_a_weight_of_minus_zero_is_stored_and_shown_as_zero(stack: Stack) -> None:
+    """``-0.0`` is a weight of 0 (JSON lets a number be negative zero; Python's ``>= 0`` takes
+    it): an index's setting and a search's own weight were stored and shown as ``-0.0``, a
+    sign a weight never has. Each is now ``0.0``, and still turns its channel off."""
+    ingest(stack, "fusion-minus-zero", DOCS)
+    patched = _patch(stack, "fusion-minus-zero", {"fusion": {"weights": {"knn": -0.0}}})
+    assert patched.status_code == 200, patched.text
+    shown = stack.live.get("/v1/indexes/fusion-minus-zero", headers=ACME)
+    for answer in (patched, shown):
+        assert "-0.0" not in answer.text, answer.text
+        assert answer.json()["settings"]["fusion"]["weights"]["knn"] == 0.0
+    body = {"index": "fusion-minus-zero", "query": "marmots", "limit": 3, "include_trace": True,
+            "fusion": {"weights": {"bm25": 1, "knn": -0.0}}}  # fmt: skip
+    searched = stack.live.post("/v1/searches", params={"wait": 20}, json=body, headers=ACME)
+    assert searched.status_code == 200 and searched.json()["status"] == "succeeded", searched.text
+    assert "-0.0" not in searched.text, searched.text
+    assert searched.json()["result"]["trace"]["fusion"]["weights"] == {"bm25": 1.0, "knn": 0.0}
