@@ -418,11 +418,9 @@ def key_job_gone(kind: str, job_id: str) -> ApiError:
     """The answer of a request sent again with its ``Idempotency-Key``, bound to ``job_id``,
     whose record the job store no longer holds (a Redis restored without it, a purge under
     way): ``410`` naming the key, the same for each resend while the key stays bound (its
-    24 hours). It was a ``503`` saying to send the request again (an ingest), which replayed
-    the same missing job until then, or a ``404`` naming ``id`` (a search, a batch), which the
-    request has none of. A new key makes the job again: the client's call, not the
-    gateway's, as the first one may have run (a write made again is newer than a write of
-    its ids accepted since)."""
+    24 hours). A new key makes the job again: the client's call, not the gateway's, as the
+    first one may have run (a write made again is newer than a write of its ids accepted
+    since)."""
     with job_context(job_id):
         log.warning("%s %s: its Idempotency-Key's job is gone from the job store", kind, job_id)
     return ApiError(

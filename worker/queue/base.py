@@ -449,8 +449,7 @@ class SiftTask(Task):  # type: ignore[misc]
     ) -> None:
         """Enqueue one webhook delivery; its id is stable, so every retry carries the same one.
         None for a webhook already settled: a removed tenant's, settled ``failed`` by the move
-        that made its job final (nothing can sign it). It was queued all the same, and its
-        task dropped it as a copy ("settled already; this copy is dropped")."""
+        that made its job final (nothing can sign it)."""
         if self.context.store.webhook_was_settled(job_id):
             log.info("webhook %s: settled already; none queued", job_id)
             return

@@ -27,8 +27,7 @@ def exposition_registry() -> Collector:
     """What ``/metrics`` serves: every process summed in multiprocess mode, else this one.
     Without prometheus-client's ``*_created`` series (each counter's, histogram's and
     summary's creation time, a gauge per child), which docs/observability.md does not name
-    and nothing reads: a gateway or a one-process worker serving its own registry exported
-    them (193 on an idle gateway); the multiprocess files never held them."""
+    and nothing reads; the multiprocess files never hold them."""
     disable_created_metrics()  # type: ignore[no-untyped-call]  # read as each scrape collects
     directory = multiprocess_dir()
     if directory is None:
