@@ -468,6 +468,37 @@ def test_a_process_of_sift_up_that_refuses_its_first_start_stops_it_with_exit_2(
     assert "every process stopped" in said and "Traceback" not in said, said
 
 
+@pytest.mark.parametrize(
+    ("keys", "named"),
+    [
+        (None, "SIFT_API_KEYS_FILE"),  # the file is not there
+        ('[{"key": "short", "tenant": "t", "webhook_secret": "whsec_c2VjcmV0"}]',
+         "SIFT_API_KEYS_FILE.0.key"),
+        (json.dumps([{"key_sha256": "0" * 64, "tenant": "acme", "webhook_secret": _OLD}]),
+         "set SIFT_API_KEY"),  # only digests: no key the stack could call its gateway with
+    ],
+)  # fmt: skip
+def test_sift_up_with_keys_it_cannot_use_is_a_usage_error_and_starts_nothing(
+    tmp_path: Path, keys: str | None, named: str
+) -> None:
+    """``SIFT_API_KEYS_FILE`` is a setting: one ``sift up`` cannot use stops it, exit 2,
+    naming it, before anything starts, as ``sift gateway`` and ``sift worker`` stop and as
+    ``sift up`` stops on every other bad setting. It exited 1, the status of what failed,
+    after it had claimed the data folder and made its sub-folders."""
+    path = tmp_path / "keys.json"
+    if keys is not None:
+        path.write_text(keys)
+    env = _without_sift(tmp_path, SIFT_API_KEYS_FILE=str(path))
+    ran = subprocess.run([SIFT, "up"], env=env, capture_output=True, text=True, timeout=60,
+                         check=False)  # fmt: skip
+    said = ran.stdout + ran.stderr
+    assert ran.returncode == 2, said
+    assert said.startswith("error:") and named in said and "Traceback" not in said, said
+    assert len(said.strip().splitlines()) == 1, said
+    assert _OLD not in said, said  # no secret quoted
+    assert not (tmp_path / "data").exists()  # nothing started, nothing made
+
+
 def test_an_evicting_policy_without_a_maxmemory_is_warned_of_not_refused(tmp_path: Path) -> None:
     """``allkeys-lru`` with ``maxmemory 0`` (Redis's default: no limit) evicts nothing, so it
     loses no job: the gateway and the worker start, and each says once that a ``maxmemory``

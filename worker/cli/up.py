@@ -180,10 +180,20 @@ def _own_metrics_folder(env: dict[str, str], folder: Path) -> dict[str, str]:
 
 def _api_key(settings: Settings, data_dir: Path) -> tuple[str, dict[str, str]]:
     """The key the stack is called with, and the children's environment that accepts it."""
-    keys = settings.all_api_keys()
-    if not keys:
+    api_key = _given_key(settings)
+    if api_key is None:
         dev = _dev_key(data_dir)
         return dev["key"], {"SIFT_API_KEYS": json.dumps([dev])}
+    return api_key, {}
+
+
+def _given_key(settings: Settings) -> str | None:
+    """The key of ``SIFT_API_KEYS`` / ``SIFT_API_KEYS_FILE`` the stack is called with, None
+    when they give none (the development key serves); a :class:`ConfigError` naming the
+    setting when they cannot be read or used."""
+    keys = settings.all_api_keys()
+    if not keys:
+        return None
     # a key given only as its digest cannot be presented: SIFT_API_KEY names one then
     api_key = next((k.key for k in keys if k.key), None) or settings.api_key
     if api_key is None:
@@ -191,7 +201,7 @@ def _api_key(settings: Settings, data_dir: Path) -> tuple[str, dict[str, str]]:
             "the keys in SIFT_API_KEYS / SIFT_API_KEYS_FILE are all digests (key_sha256): "
             "set SIFT_API_KEY to one of the keys so the local stack can call the gateway"
         )
-    return api_key, {}
+    return api_key
 
 
 def _start(
@@ -253,6 +263,10 @@ def up(
             f"--port (SIFT_GATEWAY_PORT) and --metrics-port (SIFT_WORKER_METRICS_PORT) are "
             f"both {settings.gateway_port}: the gateway and the worker's /metrics need one each"
         )
+    try:  # a setting: exit 2 before anything starts, as for `sift gateway` and `sift worker`
+        _given_key(settings)
+    except ConfigError as error:
+        stop(plain(error))
     # a Redis of its own choosing, waited for as its worker would; sift up's own (no
     # SIFT_REDIS_URL) has db 0, every channel, noeviction and the AOF: nothing to check
     check_redis_at_start(settings, worker=True)
