@@ -35,7 +35,7 @@ import redis as redis_lib
 from tests.reliability.support import sample_documents, wait_for
 from tests.services import free_port, redis_server
 from worker.processes.stack import child_env, redis_service, running, stop
-from worker.processes.workers import STOP_GRACE_SECONDS
+from worker.processes.workers import STOP_DEADLINE_STATUS, STOP_GRACE_SECONDS
 
 pytestmark = pytest.mark.integration
 
@@ -472,7 +472,10 @@ def test_stopping_sift_up_on_a_hung_redis_leaves_no_process_behind(tmp_path: Pat
 
     Before, each worker process's warm shutdown waited on Redis for good (closing its queues):
     ``sift up`` SIGKILLed their supervisor after 15 s, and they stayed, orphaned. And with no
-    warm-up running, the deadline still counted a warm-up's wait (45 s, not 25)."""
+    warm-up running, the deadline still counted a warm-up's wait (45 s, not 25). ``sift
+    up`` then exits 3, as its worker supervisor does, with a line saying the workers were cut
+    short and where their log is; it said only ``stopping…`` and exited 0, as after a clean
+    stop, while what the workers held was left to come back as a killed worker's does."""
     redis, redis_url = redis_service(tmp_path / "redis")
     with running(redis):
         assert redis.proc is not None
@@ -506,7 +509,11 @@ def test_stopping_sift_up_on_a_hung_redis_leaves_no_process_behind(tmp_path: Pat
     log = (running_up.logs / "worker.log").read_text(errors="replace")
     gave_up = f"not stopped {SOFT_SHUTDOWN_SECONDS + STOP_GRACE_SECONDS:g} s after the stop signal"
     assert gave_up + " (Redis not answering?); exiting now" in log, log[-3000:]
-    assert proc.returncode == 0, running_up.printed()
+    # said where the user looks, with the supervisor's status: the stop was not clean
+    assert proc.returncode == STOP_DEADLINE_STATUS, running_up.printed()
+    said = running_up.printed()
+    assert "the workers did not all finish their warm shutdown" in said, said
+    assert str(running_up.logs / "worker.log") in said and "Traceback" not in said, said
 
 
 def _commands(sid: int) -> str:

@@ -54,9 +54,7 @@ from worker.processes.stack import (
     worker_service,
 )
 from worker.processes.supervisor import Supervisor
-from worker.processes.workers import (
-    supervisor_stop_deadline,
-)
+from worker.processes.workers import STOP_DEADLINE_STATUS, supervisor_stop_deadline
 from worker.settings import Settings
 
 console = Console(emoji=False)
@@ -84,6 +82,7 @@ class LocalStack:
     redis_url: str
     logs: Path
     supervisor: Supervisor | None = None
+    workers: Service | None = None
 
 
 @contextlib.contextmanager
@@ -158,7 +157,7 @@ def local_stack(
                 supervisor.watch(service)
             supervisor.start()
             stack.callback(supervisor.stop_watching)  # first: nothing restarts while stopping
-        yield LocalStack(url, api_key, redis_url, logs, supervisor)
+        yield LocalStack(url, api_key, redis_url, logs, supervisor, workers)
 
 
 def _own_metrics_folder(env: dict[str, str], folder: Path) -> dict[str, str]:
@@ -312,6 +311,24 @@ def up(
     if refused:  # said once the stack has stopped, as the last line
         why = refused[0].refusal() or "its log's error line"
         stop(f"{refused[0].name} refused to start ({why}); every process stopped")
+    _say_cut_short(started)
+
+
+def _say_cut_short(stopped: LocalStack) -> None:
+    """Exit :data:`STOP_DEADLINE_STATUS`, as ``sift worker`` does, with a line saying so,
+    when the workers did not all finish their warm shutdown (their supervisor's status, or
+    its SIGKILL past its bound): what they held was not handed back and comes back as a
+    killed worker's does. The supervisor says which in the worker's log only."""
+    proc = stopped.workers.proc if stopped.workers is not None else None
+    if proc is None or proc.returncode not in (STOP_DEADLINE_STATUS, -signal.SIGKILL):
+        return
+    errors.print(
+        "the workers did not all finish their warm shutdown: what they held comes back as a "
+        f"killed worker's does ({plain(stopped.logs / 'worker.log')} names them); every "
+        "process stopped",
+        soft_wrap=True,
+    )
+    raise typer.Exit(STOP_DEADLINE_STATUS)
 
 
 def _webhook_secret_source(settings: Settings) -> str:
