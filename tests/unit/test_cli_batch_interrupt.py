@@ -198,6 +198,7 @@ def test_polls_given_up_after_the_retry_window_say_the_batch_may_still_run(
     assert result.exit_code == 1, result.output
     shown = " ".join(result.output.split())
     assert "error: cannot connect to the gateway at http://gw" in shown, shown
+    assert f"Start one with `sift up`; batch {BATCH}" in shown, shown  # not "`sift up`.; batch"
     assert (
         f"batch {BATCH} may still be running, with no results file written: run the same "
         f"command again within 24 h to pick it up and write its results "

@@ -305,7 +305,7 @@ class Gateway:
         except httpx.ConnectError as exc:
             raise GatewayError(
                 f"cannot connect to the gateway at {self.base_url} (SIFT_URL); "
-                "is it running? Start one with `sift up`.",
+                "is it running? Start one with `sift up`",  # no period: messages go on after
                 transient=self._answered,
                 unsent=True,
             ) from exc
