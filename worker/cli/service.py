@@ -35,7 +35,6 @@ from worker.settings import Settings
 console = Console(emoji=False)
 errors = Console(emoji=False, stderr=True)
 
-DEV_KEY_FILE = "dev-api-key.json"  # in the data folder: the development key and its secret
 # How long the gateway keeps an idle keep-alive connection: longer than a pooling client keeps
 # one (httpx: 5 s; nginx upstream pools: 60 s), so a client never reuses a connection the
 # gateway is closing (uvicorn's own 5 s raced httpx's: a request sent then had no answer)

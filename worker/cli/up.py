@@ -245,8 +245,9 @@ def up(
         ),
     ] = None,
 ) -> None:
-    """Run Redis, one worker and the gateway in the foreground until Ctrl-C, restarting any
-    of them that exits. Refuses a port or data folder another stack uses."""
+    """Run Redis, the worker (as `sift worker`: one process per core by default) and the
+    gateway in the foreground until Ctrl-C, restarting any of them that exits. Refuses a
+    port or data folder another stack uses."""
     overrides: dict[str, Any] = {}
     if port is not None:
         overrides["gateway_port"] = port
