@@ -6,6 +6,7 @@ imported by every command, ``sift gateway`` included, at each start; and ``sift 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -14,12 +15,13 @@ import pytest
 from worker.cli import COMMAND_MODULES, app_for
 
 
-def _imported_after(code: str) -> set[str]:
-    """The modules a fresh interpreter holds after ``code``."""
+def _imported_after(code: str, env: dict[str, str] | None = None) -> set[str]:
+    """The modules a fresh interpreter holds after ``code`` (run in ``env``, else ours)."""
     probe = f"{code}\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"
     ran = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
-    )
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True,
+        env=env,
+    )  # fmt: skip
     return set(json.loads(ran.stdout.splitlines()[-1]))
 
 
@@ -52,3 +54,22 @@ def test_a_server_command_imports_its_own_module_only(command: str) -> None:
     assert "worker.cli.service" in loaded
     unwanted = OTHER_COMMANDS | (NOT_SERVING if command == "gateway" else set())
     assert not loaded & unwanted, sorted(loaded & unwanted)
+
+
+def test_a_gateway_its_checks_refuse_imports_no_server() -> None:
+    """``sift gateway`` with no SIFT_REDIS_URL says so and exits 2 before it imports the app
+    and uvicorn (half a second's CPU at each such start), which only a gateway that serves
+    needs."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SIFT_")}
+    refused = (
+        "from worker.cli import app_for\n"
+        "try:\n"
+        "    app_for(['gateway'])(['gateway', '--port', '1'])\n"
+        "except SystemExit as exit:\n"
+        "    assert exit.code == 2, exit.code"
+    )
+    loaded = _imported_after(refused, env)
+    assert "worker.cli.service" in loaded
+    assert not loaded & {"api_gateway.app", "uvicorn", "fastapi"}, sorted(
+        loaded & {"api_gateway.app", "uvicorn", "fastapi"}
+    )

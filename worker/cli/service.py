@@ -51,10 +51,6 @@ def gateway(
     ] = None,
 ) -> None:
     """Run one gateway (one uvicorn process), for deployment; scale with replicas."""
-    import uvicorn
-
-    from api_gateway.app import serve
-
     overrides = {} if port is None else {"gateway_port": port}
     settings = cli_settings(options=SETTING_OPTIONS, **overrides)
     require_redis(settings, "the gateway")
@@ -77,6 +73,12 @@ def gateway(
         return True
 
     in_background = None if checked else start_checks  # a Redis not answering yet: waited for
+    # imported once the checks above passed (half a second's CPU): a gateway they refuse
+    # (no SIFT_REDIS_URL, bad keys, a Redis it must not run on) says so without them
+    import uvicorn
+
+    from api_gateway.app import serve
+
     server = uvicorn.Server(uvicorn.Config(
         lambda: serve(in_background), factory=True, host=host, port=settings.gateway_port,
         access_log=False, log_level=settings.log_level.lower(),
