@@ -7,11 +7,12 @@ BIN := $(VENV)/bin
 # test starts its own services on free ports, so two files never share a Redis or a worker.
 # --no-loadscope-reorder: files are handed out in testpaths order (the longest first, see
 # pyproject.toml); xdist's default reorders them by test count, the one-test reliability runs last.
-# Six on two cores: the tests' durations sum to about 5,000 s (dead-worker checks, poll
-# cadences, sweeps at their defaults), so the run is bound by that sum over the xdist
-# processes, not by one file (none much over 4 minutes); its processes now use 24-28 CPU-min
-# (user+sys, `time`) over its 15-16 min, about 85% of the two cores, so more processes would
-# starve the CPU. Measured on one machine under the same outside load (about 10):
+# Six on two cores: the tests' durations sum to about 10,100 s (dead-worker checks, poll
+# cadences, sweeps at their defaults; 7 December's CI), so the run is bound by that sum over
+# the xdist processes, not by one file (the longest, test_worker_recovery.py, 9 minutes); its
+# processes use about 55 CPU-min (user+sys, `time`) over its 30-32 min, about 87% of the two
+# cores, so more processes would starve the CPU. Measured on one machine under the same
+# outside load (about 10), when the sum was half today's:
 # four took 1,067 s, six 762 s (29% less, every test passed); eight took 763 s, its tests'
 # durations summing a third more, and three timing-bound tests failed: the CPU was starved.
 TEST_WORKERS ?= 6
