@@ -14,7 +14,7 @@ only: a file in ``$CRASH_ONCE_DIR`` says it happened, so the redelivered task ru
 
 And one pause, not a kill: ``hold-embedding`` in a document's text holds its first
 embedding until the file ``release`` appears in ``$CRASH_ONCE_DIR`` (a test restarts Redis
-meanwhile).
+meanwhile); ``hold-till-stop`` holds it until the worker is stopping (a test SIGTERMs it).
 """
 
 from __future__ import annotations
@@ -22,13 +22,14 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from worker.adapters.embedded import _writes
 from worker.queue import liveness
 from worker.queue.base import load_runtime
+from worker.queue.intake import INTAKE
 from worker.runtime.inprocess import Runtime
 from worker.settings import Settings
 
@@ -53,15 +54,17 @@ def die_once(point: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def hold_once(point: str) -> None:
-    """Wait (at most 120 s) for ``$CRASH_ONCE_DIR/release``, the first time at ``point``."""
+def hold_once(point: str, until: Callable[[], bool] | None = None) -> None:
+    """Wait (at most 120 s) for ``$CRASH_ONCE_DIR/release`` (or ``until()``), the first time
+    at ``point``."""
     directory = Path(os.environ["CRASH_ONCE_DIR"])
     try:
         (directory / point).touch(exist_ok=False)
     except FileExistsError:
         return
+    released = until or (lambda: (directory / "release").exists())
     deadline = time.monotonic() + 120.0
-    while not (directory / "release").exists() and time.monotonic() < deadline:
+    while not released() and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
@@ -80,6 +83,8 @@ def build_runtime(settings: Settings) -> Runtime:
             die_once("die-embedding")
         if any("hold-embedding" in text for text in texts):
             hold_once("hold-embedding")
+        if any("hold-till-stop" in text for text in texts):
+            hold_once("hold-till-stop", until=lambda: INTAKE.stopping)
         return embed(texts)
 
     def in_write(conn: Any, index: str, tenant: str, doc_id: str, *args: Any, **kw: Any) -> None:

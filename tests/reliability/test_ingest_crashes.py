@@ -376,6 +376,40 @@ def test_redis_killed_mid_ingest_the_job_finishes_once(tmp_path: Path) -> None:
             assert proc.poll() is None  # the same worker, still running
 
 
+@pytest.mark.timeout(400)
+def test_an_ingest_whose_worker_stops_while_it_embeds_is_handed_back_each_time_uncounted(
+    shared: Shared, tmp_path: Path
+) -> None:
+    """Three workers in turn are SIGTERMed while they embed the first chunk of an upsert of
+    301 documents (two chunks): each hands the job back at that chunk's end, nothing written,
+    and exits at once, cleanly (not cut at its stop deadline); the job reads ``queued``
+    again. The stops are not crashes: a fourth worker runs the job once, ``succeeded``, past
+    the delivery limit (3) that three cut runs would have reached."""
+    marker = {"id": "held", "text": "hold-till-stop: its embedding waits for the stop"}
+    documents = [marker, *({"id": f"n{i}", "text": f"calcium note {i}"} for i in range(300))]
+    port = free_port()
+    with crash_stack(shared, tmp_path) as crash:
+        held = crash.directory / "crashes" / "hold-till-stop"
+        job_id = ""
+        for n in range(3):
+            with worker(crash, f"a{n}") as proc:
+                job_id = job_id or upsert(crash.client, documents)
+                wait_for(held.exists, "the first chunk embedding")
+                assert job(crash.client, job_id)["status"] == "running"
+                proc.send_signal(signal.SIGTERM)
+                assert proc.wait(60) == 0  # a clean stop: nothing held past its deadline
+            assert job(crash.client, job_id)["status"] == "queued"
+            held.unlink()  # the next worker's embedding holds too
+        held.touch()  # the last runs through
+        with worker(crash, "b", port):
+            done = final(crash.client, job_id)
+            assert done["status"] == "succeeded", done
+            assert done["upserted"] == len(documents)
+            drained(crash.env)
+            assert completed(port) == {"succeeded": 1.0}
+            assert present(crash.client, ["held", "n0", "n299"]) == {"held", "n0", "n299"}
+
+
 @pytest.mark.timeout(300)
 def test_an_ingest_restored_by_a_broker_reconnect_while_it_runs_runs_once(
     shared: Shared,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import redis
 from celery import shared_task
@@ -19,6 +20,7 @@ from worker.observability import metrics
 from worker.queue import lifecycle, liveness
 from worker.queue.base import SiftTask, count_completed, error_info
 from worker.queue.config import time_limits
+from worker.queue.intake import INTAKE
 from worker.queue.jobstore import (
     IngestJob,
     RunClaim,
@@ -68,10 +70,33 @@ def ingest(self: SiftTask, job_id: str) -> None:
     store.release_ingest(job_id, claim)
 
 
+class _Stopping(Exception):
+    """The worker is stopping while an upsert's documents are embedded: handed back."""
+
+
+def _stop_check(total: int) -> Callable[[int], None]:
+    """An upsert's progress callback: raises :class:`_Stopping` at the end of an embedded
+    chunk once the worker is stopping, unless it was the last (the write alone is left)."""
+    embedded = 0
+
+    def check(chunk: int) -> None:
+        nonlocal embedded
+        embedded += chunk
+        if INTAKE.stopping and embedded < total:
+            raise _Stopping
+
+    return check
+
+
 def _ingest(task: SiftTask, job: IngestJob, claim: RunClaim) -> None:
-    """Run the ingest ``job`` under its run ``claim``."""
+    """Run the ingest ``job`` under its run ``claim``. An upsert whose worker stops while its
+    documents are embedded goes back on its queue at the end of the chunk under way, nothing
+    written, its delivery not counted (a stop is no crash), for the next worker: not run on
+    to the stop deadline, cut there, and back as a killed worker's, counted towards its
+    delivery limit."""
     store, job_id = task.context.store, job.id
-    if task.poisoned(job_id=job_id):
+    deliveries = task.delivery(job_id)
+    if task.poisoned(deliveries, job_id=job_id):
         count_completed(
             "ingest", store.finish_ingest(job_id, error=poison_error(task)), poison_error(task)
         )
@@ -93,8 +118,13 @@ def _ingest(task: SiftTask, job: IngestJob, claim: RunClaim) -> None:
             deleted = lifecycle.delete(task.context.runtime, job, ids, jobs=store)
         else:
             upserted = task.context.runtime.ingest(
-                job.index, job.tenant, documents, version=job.version
+                job.index, job.tenant, documents, _stop_check(len(documents)), version=job.version
             )
+    except _Stopping:
+        store.requeue_ingest(job_id)
+        store.release_ingest(job_id, claim)  # before the message goes back, as a chunk's
+        log.info("ingest %s: the worker is stopping; handed back before its write", job_id)
+        task.hand_back(deliveries)
     except Exception as exc:
         if isinstance(exc, redis.RedisError):  # the job store's failure: run again (ingest)
             log.warning("ingest %s: Redis failed during its run; left for a redelivery", job_id)
