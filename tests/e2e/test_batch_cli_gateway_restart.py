@@ -150,20 +150,27 @@ class _DeadClaimHandler(_Handler):
     answers ``409 idempotency_key_in_progress`` until it expires. Every other request is
     forwarded."""
 
+    def submits(self) -> bool:
+        """Whether this POST is a submit the handler claims the first of."""
+        return self.path == "/v1/batches"
+
+    def fingerprint(self, body: bytes) -> str:
+        """The body's fingerprint, as the gateway claims its key with it."""
+        return parse_batch(body, "POST /v1/batches").fingerprint
+
     def do_POST(self) -> None:
-        if self.path != "/v1/batches":
+        if not self.submits():
             super().do_POST()
             return
         body = self.rfile.read(int(self.headers.get("content-length") or 0))
         key = self.headers.get("idempotency-key")
         with self.server.lock:
-            self.server.batch_posts.append(key)
+            self.server.batch_posts.append(key)  # each submit's key
             first = len(self.server.batch_posts) == 1
         if first and key:
             time.sleep(CLAIM_AFTER_SECONDS)
-            fingerprint = parse_batch(body, "POST /v1/batches").fingerprint
             url = self.server.redis_url  # type: ignore[attr-defined]
-            claim = JobStore.from_url(url).claim_idempotency("acme", key, fingerprint)
+            claim = JobStore.from_url(url).claim_idempotency("acme", key, self.fingerprint(body))
             assert claim.outcome is IdempotencyOutcome.NEW, claim
             marker = _idem_key("acme", key)
             assert redis.Redis.from_url(url).pexpire(marker, int(SCALED_SECONDS * 1000))

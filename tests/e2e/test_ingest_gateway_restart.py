@@ -16,17 +16,19 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
-import redis
 from typer.testing import CliRunner
 
 from api_gateway.schemas import DocumentsRequest
 from tests.e2e.conftest import ACME, KEYS, Stack
-from tests.e2e.test_batch_cli_gateway_restart import _Handler, _Proxy
+from tests.e2e.test_batch_cli_gateway_restart import (
+    SCALED_SECONDS,
+    _DeadClaimHandler,
+    _Proxy,
+)
 from tests.e2e.test_ingest_interrupt import _corpus, _indexed, sift_ingest
 from tests.services import free_port, gateway, served
 from worker.cli import app
-from worker.queue.jobstore import IdempotencyOutcome, JobStore, fingerprint
-from worker.queue.jobstore.idempotency import _idem_key
+from worker.queue.jobstore import fingerprint
 
 DOWN_SECONDS = 3.0
 
@@ -54,38 +56,15 @@ def test_sift_ingest_retries_its_requests_through_a_gateway_restart(
     assert _indexed(stack, index) == set(ids)
 
 
-# The retry window and the pending marker's life, scaled down alike (both 120 s in Sift):
-# the race is between the two, not in their size
-SCALED_SECONDS = 5.0
-CLAIM_AFTER_SECONDS = 3.0
+class _DeadUpsertClaimHandler(_DeadClaimHandler):
+    """The first upsert is claimed, and then its gateway dies (:class:`_DeadClaimHandler`)."""
 
+    def submits(self) -> bool:
+        return True  # every POST of the test is an upsert
 
-class _DeadClaimHandler(_Handler):
-    """The first upsert is claimed (its Idempotency-Key's pending marker, as the gateway
-    writes it, to live ``SCALED_SECONDS``) ``CLAIM_AFTER_SECONDS`` after it came in (a big
-    body parsed first), and then its gateway dies: no job, no answer, and the marker answers
-    ``409 idempotency_key_in_progress`` until it expires. Every other request is forwarded."""
-
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers.get("content-length") or 0))
-        key = self.headers.get("idempotency-key")
-        route = f"POST {self.path.split('?')[0]}"
-        with self.server.lock:
-            self.server.batch_posts.append(key)  # each upsert's key
-            first = len(self.server.batch_posts) == 1
-        if first and key:
-            time.sleep(CLAIM_AFTER_SECONDS)
-            documents = DocumentsRequest.model_validate_json(body).model_dump(mode="json")
-            url = self.server.redis_url  # type: ignore[attr-defined]
-            claim = JobStore.from_url(url).claim_idempotency(
-                "acme", key, fingerprint(route, documents)
-            )
-            assert claim.outcome is IdempotencyOutcome.NEW, claim
-            marker = _idem_key("acme", key)
-            assert redis.Redis.from_url(url).pexpire(marker, int(SCALED_SECONDS * 1000))
-            self.close_connection = True
-            return
-        self._answer(self._forward(body))
+    def fingerprint(self, body: bytes) -> str:
+        documents = DocumentsRequest.model_validate_json(body).model_dump(mode="json")
+        return fingerprint(f"POST {self.path.split('?')[0]}", documents)
 
 
 def test_sift_ingest_outwaits_the_claim_of_an_upsert_whose_gateway_died(
@@ -102,7 +81,7 @@ def test_sift_ingest_outwaits_the_claim_of_an_upsert_whose_gateway_died(
     corpus, ids = _corpus(tmp_path, 3)
     index = "cli-dead-claim"
     server = _Proxy(stack.live_url)
-    server.RequestHandlerClass = _DeadClaimHandler
+    server.RequestHandlerClass = _DeadUpsertClaimHandler
     server.redis_url = stack.redis_url + "/0"  # type: ignore[attr-defined]
     with served(server):
         url = f"http://127.0.0.1:{server.server_address[1]}"
