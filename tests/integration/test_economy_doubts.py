@@ -912,6 +912,36 @@ def test_a_poll_whose_backend_fails_mapping_is_retried_not_failed(
     assert [r.status for r in context.store.batch_results(batch.id, 0, 2)] == ["running"] * 2
 
 
+def test_a_poll_whose_backend_fails_mapping_past_its_give_up_ends_the_items_failed(
+    context: WorkerContext, model: FakeAnthropic, workers: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The backend failing every read of the items' candidates until the poll's give-up (the
+    economy deadline and the provider's 24 hours past it, as a provider error's): the poll
+    is not sent again, its items end ``failed`` with the backend's error and their billed
+    usage, and the batch completes. Before, a backend failing for good (a request it
+    refuses) was retried at the poll's cadence for ever, the batch ``running``."""
+    from worker.queue.economy import poll
+
+    batch, qids = _prepared(context, 2)
+    _submission(context, batch, qids, "1")
+    [first] = model.batches()
+    _backend_down(context, monkeypatch)
+    past = batch.created_at + context.settings.economy_deadline_seconds
+    past += poll.PROVIDER_EXPIRY_SECONDS + 60
+    monkeypatch.setattr(clock, "now", lambda: past)
+    chain = context.store.redis.hget(ECONOMY_STATE_KEY + batch.id, f"chain {first['id']}")
+    task = _Task(context, str(chain))
+    poll._poll(task, batch.id, first["id"])  # type: ignore[arg-type]
+    results = context.store.batch_results(batch.id, 0, 2)
+    assert [r.status for r in results] == ["failed", "failed"], results
+    errors = [json.loads(r.to_json())["error"] for r in results]
+    assert {e["type"] for e in errors} == {"backend_unavailable"}, errors
+    assert all(e["usage"]["requests"] == 1 for e in errors), errors  # the answers billed
+    done = context.store.get_batch(batch.id)
+    assert done is not None and done.finished_at is not None, done
+    assert task.sent == [("batch.completed", {"id": batch.id, "status": "succeeded"})]
+
+
 def test_a_removed_tenants_prepared_items_are_not_sent(
     context: WorkerContext, model: FakeAnthropic, redis_url: str
 ) -> None:

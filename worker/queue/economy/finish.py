@@ -190,11 +190,13 @@ def _end_items(
     ending: Ending,
     *,
     without_model: bool = False,
+    unread: BackendError | None = None,
 ) -> None:
     """End these running items, each by ``ending`` and :func:`finish_item` (``must_end``:
     nothing is left to run them again; ``without_model`` as it takes it), a page at a time,
-    their candidates read together (:func:`as_stored_now`). The lane's two ways of ending
-    the items it gave up on (:func:`fail_items`, :func:`end_without_model`) differ in their
+    their candidates read together (:func:`as_stored_now`), or not read (``unread``: the
+    backend's failure they end with). The lane's ways of ending the items it gave up on
+    (:func:`fail_items`, :func:`end_without_model`, :func:`end_unread`) differ in their
     ending alone: each item is saved and counted (its metrics, its batch's counts, its
     usage, the webhook with the batch's last item) as a result mapped to it would be."""
     pipeline = economy_pipeline(task)
@@ -204,7 +206,12 @@ def _end_items(
         for qid, data, record in page:
             run, figures = ending(record)
             ended.append((qid, as_sent(load_prepared(pipeline, data), record), run, figures))
-        stored = as_stored_now(pipeline.backend, batch.tenant, [item for _, item, _, _ in ended])
+        sent = [item for _, item, _, _ in ended]
+        stored: list[Prepared | SiftError] = (
+            as_stored_now(pipeline.backend, batch.tenant, sent)
+            if unread is None
+            else [unread] * len(sent)
+        )
         for (qid, prepared, run, figures), now in zip(ended, stored, strict=True):
             finish_item(task, batch, qid, prepared, run, now=now, figures=figures, must_end=True,
                         without_model=without_model)  # fmt: skip
@@ -240,6 +247,17 @@ def fail_items(
         return run, [partial(pipeline.count_attempt, failure.outcome, None, cost, model)]
 
     _end_items(task, batch, query_ids, failed)
+
+
+def end_unread(
+    task: SiftTask, batch: BatchJob, query_ids: Sequence[str], error: BackendError
+) -> None:
+    """End these running items, answered by the provider, whose candidates the backend
+    failed to read until their poll gave up: ``failed`` with the backend's ``error``, their
+    billed usage shown (:func:`finish_item`'s ``must_end``). The poll, sent again at its
+    cadence, would keep a backend failing for good (a request it refuses) from ever ending
+    them."""
+    _end_items(task, batch, query_ids, lambda record: (rerank_run(record), []), unread=error)
 
 
 def end_without_model(task: SiftTask, batch: BatchJob, query_ids: Sequence[str]) -> None:

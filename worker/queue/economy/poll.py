@@ -14,7 +14,7 @@ from worker.constants import ECONOMY_POLL_TASK
 from worker.errors import BackendError, RerankAttemptError
 from worker.queue.base import SiftTask
 from worker.queue.economy.cancel import cancel_quietly
-from worker.queue.economy.finish import fail_items
+from worker.queue.economy.finish import end_unread, fail_items
 from worker.queue.economy.leases import expect, leased
 from worker.queue.economy.records import (
     DOUBT,
@@ -105,9 +105,16 @@ def _poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
         map_results(self, batch, provider_id, status.shared_ended_at)
         store.economy_met(batch_id, provider_id)
     except BackendError as exc:  # an item's candidates unread: those finished stay finished
-        log.warning("provider batch %s: %s; mapping its results again", provider_id, exc)
-        expect(self, batch_id, provider_id, poll_countdown(self))
-        raise self.retry(countdown=poll_countdown(self)) from exc
+        give_up = batch.created_at + settings.economy_deadline_seconds + PROVIDER_EXPIRY_SECONDS
+        if clock.now() < give_up:
+            log.warning("provider batch %s: %s; mapping its results again", provider_id, exc)
+            expect(self, batch_id, provider_id, poll_countdown(self))
+            raise self.retry(countdown=poll_countdown(self)) from exc
+        log.error("provider batch %s: giving up mapping its results: %s", provider_id, exc)
+        store.economy_met(batch_id, provider_id)
+        end_unread(
+            self, batch, items_waiting(store, batch_id, provider_id, record.get("submission")), exc
+        )
     except RerankAttemptError as exc:
         give_up = batch.created_at + settings.economy_deadline_seconds + PROVIDER_EXPIRY_SECONDS
         if record.get("doubt") and not exc.retryable:
