@@ -252,7 +252,7 @@ SearchedText = Annotated[QueryText, AfterValidator(_searchable)]
 # "yes"` reranked. JSON's integers and booleans, and what Sift stores, are unchanged. A
 # weight is a JSON number (an integer is taken as its float): `"knn": false` was a weight of
 # 0, which turned the channel off, and `"bm25": "2"` or `true` a weight of 2 or 1. `-0.0`
-# passes `ge=0` and is taken as 0 (`abs`): it was stored and shown as `-0.0`.
+# passes `ge=0` and is taken as 0 (`abs`), stored and shown as `0.0`.
 Weight = Annotated[
     float,
     Strict(),
