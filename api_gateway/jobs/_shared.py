@@ -108,18 +108,16 @@ _HOW_TO_END = {
 ErasableKind = Literal["search", "batch"]
 
 
-def no_job(kind: str, job_id: str, hint: str = "") -> ApiError:
+def no_job(kind: str, job_id: str) -> ApiError:
     """The ``404`` of a job the caller has none of (never made, expired, or another
-    tenant's); ``hint`` ends its message."""
-    return ApiError(404, "not_found", f"id: no {kind} {job_id!r}{hint}", field="id")
+    tenant's)."""
+    return ApiError(404, "not_found", f"id: no {kind} {job_id!r}", field="id")
 
 
-async def not_there(
-    request: Request, kind: ErasableKind, job_id: str, tenant: str, *, hint: str = ""
-) -> ApiError:
+async def not_there(request: Request, kind: ErasableKind, job_id: str, tenant: str) -> ApiError:
     """The answer for a search or batch ``tenant`` cannot read: ``410 erased`` when it erased
     it, else ``404`` (never made, expired, or another tenant's: one answer, so a tenant learns
-    nothing of another's ids). ``hint`` ends the 404's message."""
+    nothing of another's ids)."""
     if is_id(job_id, _ID_PREFIXES[kind]):
         erased_at = await off_loop(job_store(request).erasure, job_id, tenant)
         if erased_at is not None:
@@ -129,7 +127,7 @@ async def not_there(
                 f"id: {kind} {job_id!r} was erased at {iso(erased_at)}; nothing of it is kept",
                 field="id",
             )
-    return no_job(kind, job_id, hint)
+    return no_job(kind, job_id)
 
 
 async def erase(request: Request, kind: ErasableKind, job_id: str, tenant: str) -> ErasedOut:
