@@ -391,6 +391,20 @@ _REWRITES = {
 }
 
 
+# the kinds the job store's purge counts, as the table names them
+_DELETED_ROWS = {
+    "search": "searches deleted",
+    "batch": "batches deleted",
+    "ingest": "ingests deleted",
+    "keys": "their Redis keys and set entries deleted",
+    "job lists": "job lists deleted",
+    "idempotency keys": "idempotency keys deleted",
+    "index settings": "index settings deleted (an earlier release's)",
+    "write version": "write-version counters deleted",
+    "erasure marks": "marks of jobs it erased deleted",
+}
+
+
 def _show(
     tenant: str, canceled: Counter[str], dropped: Counter[str], deleted: Counter[str]
 ) -> None:
@@ -404,20 +418,12 @@ def _show(
         ("indexes dropped", dropped["indexes"]),
         ("indexes only its unfinished writes named, closed to them", dropped["closed"]),
         ("documents dropped", dropped["documents"]),
-        ("searches deleted", deleted["search"]),
-        ("batches deleted", deleted["batch"]),
-        ("ingests deleted", deleted["ingest"]),
-        ("their Redis keys and set entries deleted", deleted["keys"]),
-        ("job lists deleted", deleted["job lists"]),
-        ("idempotency keys deleted", deleted["idempotency keys"]),
-        ("index settings deleted (an earlier release's)", deleted["index settings"]),
-        ("write-version counters deleted", deleted["write version"]),
-        ("marks of jobs it erased deleted", deleted["erasure marks"]),
     ]
-    named = {"search", "batch", "ingest", "keys", "job lists", "idempotency keys"}
-    named |= {"index settings", "write version", "erasure marks"}
+    rows += [(what, deleted[kind]) for kind, what in _DELETED_ROWS.items()]
     # any other kind the job store counted (the index sizes), by its own name
-    rows += [(f"{kind} deleted", n) for kind, n in sorted(deleted.items()) if kind not in named]
+    rows += [
+        (f"{kind} deleted", n) for kind, n in sorted(deleted.items()) if kind not in _DELETED_ROWS
+    ]
     table = Table(title=f"tenant {tenant}: purged")
     table.add_column("what")
     table.add_column("removed", justify="right")
