@@ -88,6 +88,8 @@ def _poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
         return
     client = batches_client(self, batch_id, provider_id)
     record = provider_record(store, batch_id, provider_id)
+    # past this, a failing read (the provider's, or the backend's of the candidates) ends it
+    give_up = batch.created_at + settings.economy_deadline_seconds + PROVIDER_EXPIRY_SECONDS
     expect(self, batch_id, provider_id, 0.0)
     try:
         status = client.retrieve(provider_id)
@@ -105,7 +107,6 @@ def _poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
         map_results(self, batch, provider_id, status.shared_ended_at)
         store.economy_met(batch_id, provider_id)
     except BackendError as exc:  # an item's candidates unread: those finished stay finished
-        give_up = batch.created_at + settings.economy_deadline_seconds + PROVIDER_EXPIRY_SECONDS
         if clock.now() < give_up:
             log.warning("provider batch %s: %s; mapping its results again", provider_id, exc)
             expect(self, batch_id, provider_id, poll_countdown(self))
@@ -116,7 +117,6 @@ def _poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
             self, batch, items_waiting(store, batch_id, provider_id, record.get("submission")), exc
         )
     except RerankAttemptError as exc:
-        give_up = batch.created_at + settings.economy_deadline_seconds + PROVIDER_EXPIRY_SECONDS
         if record.get("doubt") and not exc.retryable:
             give_up = min(give_up, _unread_since(store, batch_id, provider_id, record)
                           + CANDIDATE_UNREAD_SECONDS)  # fmt: skip
