@@ -15,10 +15,16 @@ from pathlib import Path
 import ir_measures
 import pytest
 from ir_measures import RR, R, nDCG
+from typer.testing import CliRunner
 
+from api_gateway.schemas import SearchRequest
 from tests.e2e.conftest import ACME, ANTHROPIC_API_KEY, INDEX, MODEL, SAMPLE, Stack
+from tests.e2e.test_batch_cli_gateway_restart import SCALED_SECONDS, _DeadClaimHandler, _Proxy
 from tests.fake_anthropic import USAGE_FIELDS, positions, refusal
+from tests.services import served as serving
+from worker.cli import app
 from worker.processes.stack import child_env, sift_command
+from worker.queue.jobstore import fingerprint
 
 QRELS = Path(__file__).parent / "data" / "sample_qrels.tsv"
 QUERIES = SAMPLE / "sample_queries.jsonl"
@@ -384,3 +390,50 @@ def test_eval_corpus_rerank_stopped_by_a_failed_search_says_what_was_billed(
     usage = f"rerank usage: 1 requests, {billed['input_tokens']} input / "
     assert usage in said, said
     assert said.index(usage) < said.index("error: rerank failed (refused)"), said
+
+
+class _DeadProbeClaimHandler(_DeadClaimHandler):
+    """The first ``POST /v1/searches`` (``sift eval --index``'s probe of the candidate
+    window) is claimed, and then its gateway dies (:class:`_DeadClaimHandler`); every other
+    request, the runs' batches among them, is forwarded."""
+
+    def submits(self) -> bool:
+        return self.path.split("?")[0] == "/v1/searches"
+
+    def fingerprint(self, body: bytes) -> str:
+        search = SearchRequest.model_validate_json(body).model_dump(mode="json")
+        return fingerprint("POST /v1/searches", search)
+
+    def do_POST(self) -> None:
+        if self.submits():
+            super().do_POST()
+            return
+        body = self.rfile.read(int(self.headers.get("content-length") or 0))
+        self._answer(self._forward(body))
+
+
+def test_eval_index_outwaits_the_claim_of_a_probe_whose_gateway_died(
+    stack: Stack, corpus: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probe search of ``sift eval --index`` is a keyed submission like ``sift search``'s:
+    a gateway that died between claiming its key and making the job leaves the key "in
+    progress" for ``IDEMPOTENCY_PENDING_TTL_SECONDS`` from that claim, and the probe is sent
+    again for the marker's life past the retry window (``submit_retry_seconds``), then makes
+    its job and the runs go on."""
+    monkeypatch.setattr("worker.cli._http.RETRY_SECONDS", SCALED_SECONDS)
+    monkeypatch.setattr("worker.cli._http.IDEMPOTENCY_PENDING_TTL_SECONDS", SCALED_SECONDS)
+    server = _Proxy(stack.live_url)
+    server.RequestHandlerClass = _DeadProbeClaimHandler
+    server.redis_url = stack.redis_url + "/0"  # type: ignore[attr-defined]
+    report = tmp_path / "report.json"
+    with serving(server):
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        env = {"SIFT_URL": url, "SIFT_API_KEY": ACME["Authorization"].split()[1],
+               "COLUMNS": "200", "NO_COLOR": "1"}  # fmt: skip
+        args = ["eval", "--index", INDEX, "--queries", str(QUERIES), "--qrels", str(QRELS)]
+        result = CliRunner().invoke(app, [*args, "--json", str(report)], env=env)
+    said = " ".join(result.output.split())
+    assert result.exit_code == 0, said
+    assert "has not created its job yet; retry after 1 s; trying again" in said, said
+    assert len(set(server.batch_posts)) == 1 and len(server.batch_posts) > 2, server.batch_posts
+    assert json.loads(report.read_text())["queries"] == JUDGED

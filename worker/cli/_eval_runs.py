@@ -23,6 +23,7 @@ from worker.cli._http import (
     GatewayError,
     gateway,
     segment,
+    submit_retry_seconds,
 )
 from worker.cli._output import cli_console, plain, progress_bar
 from worker.cli.client._batch import _cancel_outcome, submit
@@ -83,13 +84,15 @@ def _served_window(index: str, query: str) -> int:
     """The rerank candidate window the index's searches use (the index's own, else the
     deployment's ``SIFT_RERANK_CANDIDATE_LIMIT``), as the trace of one search of ``query``
     (one hit, no model) says; the default's 30 if the search fails (an index dropped since
-    :func:`_check_index`: its runs fail too, and say why)."""
+    :func:`_check_index`: its runs fail too, and say why). Sent again with its key for
+    :func:`submit_retry_seconds`, as every keyed submission is, so that it outwaits a key
+    claim left in progress by a gateway that died before it made the job."""
     body = probe_spec(index, query).model_dump(mode="json")
     with gateway() as client:
         key = {"Idempotency-Key": f"sift-eval-window-{uuid.uuid4().hex}"}
         job = client.json(
             "POST", "/v1/searches", json=body, params={"wait": int(MAX_WAIT_SECONDS)},
-            headers=key, retry_for=RETRY_SECONDS, fields=("id", "status"),
+            headers=key, retry_for=submit_retry_seconds(), fields=("id", "status"),
         )  # fmt: skip
         if job.get("status") not in FINAL_STATUSES:
             job = client.poll(f"/v1/searches/{job['id']}")
