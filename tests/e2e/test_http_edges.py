@@ -248,26 +248,34 @@ def test_an_ingest_sent_again_with_its_idempotency_key_answers_its_first_job(
 
 
 @pytest.mark.parametrize(
-    ("path", "body", "record"),
+    ("method", "path", "body", "record"),
     [
-        ("/v1/indexes/idem-lost/documents", {"documents": [{"id": "d", "text": "t"}]}, INGEST_KEY),
-        ("/v1/searches", SEARCH, SEARCH_KEY),
-        ("/v1/batches", {"index": INDEX, "queries": [{"id": "q", "query": "tea"}]}, BATCH_KEY),
+        ("POST", "/v1/indexes/idem-lost/documents", {"documents": [{"id": "d", "text": "t"}]},
+         INGEST_KEY),
+        ("POST", "/v1/searches", SEARCH, SEARCH_KEY),
+        ("POST", "/v1/batches", {"index": INDEX, "queries": [{"id": "q", "query": "tea"}]},
+         BATCH_KEY),
+        ("DELETE", "/v1/indexes/idem-lost/documents/d", None, INGEST_KEY),
+        ("POST", "/v1/indexes/idem-lost/documents/delete", {"ids": ["d", "e"]}, INGEST_KEY),
+        ("DELETE", "/v1/indexes/idem-lost-drop", None, INGEST_KEY),
     ],
-    ids=["ingest", "search", "batch"],
-)
+    ids=["ingest", "search", "batch", "delete", "bulk-delete", "drop-index"],
+)  # fmt: skip
 def test_a_key_whose_job_the_job_store_lost_is_410_naming_it_and_a_new_key_makes_the_job(
-    stack: Stack, corpus: object, path: str, body: dict[str, Any], record: str
-) -> None:
+    stack: Stack, corpus: object, method: str, path: str, body: dict[str, Any] | None,
+    record: str,
+) -> None:  # fmt: skip
     """A key bound to a job whose record the job store no longer holds (a Redis restored
     without it, a purge under way) replays nothing: each resend is ``410``
     ``idempotency_key_job_gone`` naming the key, for the key's 24 hours, and a request with a
     new key makes the job again. An ingest's resend was a ``503`` saying to send the request
     again, which replayed the same missing job until the key expired; a search's or a
-    batch's a ``404`` naming ``id``, which the request has none of."""
-    keyed = {**ACME, "Idempotency-Key": f"lost-{record}"}
+    batch's a ``404`` naming ``id``, which the request has none of. The deletes (of a
+    document, of documents by id, of an index) are write jobs replayed by their key as an
+    ingest is, and answer the same."""
+    keyed = {**ACME, "Idempotency-Key": f"lost-{method}-{path}"}
     wait = {} if path == "/v1/batches" else {"wait": 20}  # a batch takes no wait
-    first = stack.live.post(path, json=body, headers=keyed, params=wait)
+    first = stack.live.request(method, path, json=body, headers=keyed, params=wait)
     assert first.status_code in (200, 202), first.text
     job_id = first.json()["id"]
     with redis.Redis.from_url(stack.redis_url + "/0") as store:
@@ -277,15 +285,15 @@ def test_a_key_whose_job_the_job_store_lost_is_410_naming_it_and_a_new_key_makes
             time.sleep(0.05)
         assert store.delete(record + job_id) == 1  # lost: its key is still bound to it
     for _ in range(2):  # the same answer every time: sending it again cannot help
-        again = stack.live.post(path, json=body, headers=keyed)
+        again = stack.live.request(method, path, json=body, headers=keyed)
         assert again.status_code == 410, again.text
         error = again.json()["error"]
         assert error["type"] == "idempotency_key_job_gone", error
         assert error["field"] == "Idempotency-Key", error
         assert job_id in error["message"] and "new Idempotency-Key" in error["message"], error
         assert "retry-after" not in again.headers, again.headers
-    made = stack.live.post(
-        path, json=body, headers={**keyed, "Idempotency-Key": f"lost-new-{record}"}
+    made = stack.live.request(
+        method, path, json=body, headers={**keyed, "Idempotency-Key": f"lost-new-{method}-{path}"}
     )
     assert made.status_code in (200, 202), made.text
     assert made.json()["id"] != job_id
