@@ -711,18 +711,33 @@ def check_api_keys(keys: Sequence[ApiKey]) -> None:
 
 
 def _read_keys_file(path: Path) -> list[ApiKey]:
-    """The entries of the keys file at ``path``, validated; a ConfigError naming
-    ``SIFT_API_KEYS_FILE`` (and the entry's field, never its value) when it cannot be read."""
+    """The entries of the keys file at ``path``, validated; when it cannot be read, a
+    ConfigError of one line naming ``SIFT_API_KEYS_FILE`` and the file once, then each
+    problem by its entry and field, never its value:
+
+    ``SIFT_API_KEYS_FILE (keys.json): entry 0, field key: String should have at least 8
+    characters; entry 1: Input should be an object``"""
     try:
         return _API_KEY_LIST.validate_json(path.read_bytes())
     except ValidationError as exc:
-        problems = [
-            error_path(error["loc"], "SIFT_API_KEYS_FILE") + f": {error['msg']}"
-            for error in exc.errors()
-        ]
-        raise ConfigError("; ".join(problems) + f" (in {path})") from exc
-    except OSError as exc:
-        raise ConfigError(f"SIFT_API_KEYS_FILE ({path}): {exc}") from exc
+        problems = "; ".join(
+            _entry_problem(error["loc"], validation_message(error["msg"])) for error in exc.errors()
+        )
+        raise ConfigError(f"SIFT_API_KEYS_FILE ({path}): {problems}") from exc
+    except OSError as exc:  # its strerror: str(exc) names the file again
+        raise ConfigError(f"SIFT_API_KEYS_FILE ({path}): {exc.strerror or exc}") from exc
+
+
+def _entry_problem(loc: tuple[int | str, ...], message: str) -> str:
+    """A keys file's problem where pydantic's ``loc`` puts it: the entry, then its field.
+
+    >>> _entry_problem((0, "key"), "Field required"), _entry_problem((), "Invalid JSON")
+    ('entry 0, field key: Field required', 'Invalid JSON')
+    """
+    where = [f"entry {loc[0]}"] if loc else []
+    if len(loc) > 1:
+        where.append("field " + ".".join(str(step) for step in loc[1:]))
+    return ": ".join([", ".join(where), message]) if where else message
 
 
 # SIFT_ variables set on purpose that are no setting: compose's image tag and KEDA's Redis
@@ -789,18 +804,14 @@ def load_settings(**overrides: Any) -> Settings:
         raise ConfigError("invalid settings; " + "; ".join(problems)) from exc
 
 
-def error_path(loc: tuple[int | str, ...], variable: str | None = None) -> str:
-    """Where a settings error is: the variable, then the path inside its JSON value, joined
-    with dots (pydantic's ``loc``). Without ``variable`` the first step is the field's name.
+def error_path(loc: tuple[int | str, ...]) -> str:
+    """Where a settings error is: the variable (pydantic's ``loc``'s first step, the field's
+    name), then the path inside its JSON value, joined with dots.
 
-    >>> error_path(("prices", "claude-haiku-4-5", "cache_creation"))
-    'SIFT_PRICES.claude-haiku-4-5.cache_creation'
-    >>> error_path((0, "tenant"), "SIFT_API_KEYS_FILE"), error_path(())
-    ('SIFT_API_KEYS_FILE.0.tenant', 'settings')
+    >>> error_path(("prices", "claude-haiku-4-5", "cache_creation")), error_path(())
+    ('SIFT_PRICES.claude-haiku-4-5.cache_creation', 'settings')
     """
     steps = [str(step) for step in loc]
-    if variable is None:
-        if not steps:
-            return "settings"
-        variable, steps = f"SIFT_{steps[0].upper()}", steps[1:]
-    return ".".join([variable, *steps])
+    if not steps:
+        return "settings"
+    return ".".join([f"SIFT_{steps[0].upper()}", *steps[1:]])

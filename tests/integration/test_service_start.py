@@ -76,7 +76,7 @@ def test_no_redis_url_is_one_line_naming_it(tmp_path: Path, args: list[str]) -> 
         (None, "SIFT_API_KEYS_FILE"),  # the file is not there
         (
             '[{"key": "short", "tenant": "t", "webhook_secret": "whsec_c2VjcmV0"}]',
-            "SIFT_API_KEYS_FILE.0.key",
+            "entry 0, field key",
         ),
         (  # one tenant, two secrets (a rotation applied to one entry of two): the worker
             # signed with the first entry's, and a receiver holding the other refused them all
@@ -473,7 +473,7 @@ def test_a_process_of_sift_up_that_refuses_its_first_start_stops_it_with_exit_2(
     [
         (None, "SIFT_API_KEYS_FILE"),  # the file is not there
         ('[{"key": "short", "tenant": "t", "webhook_secret": "whsec_c2VjcmV0"}]',
-         "SIFT_API_KEYS_FILE.0.key"),
+         "entry 0, field key"),
         (json.dumps([{"key_sha256": "0" * 64, "tenant": "acme", "webhook_secret": _OLD}]),
          "set SIFT_API_KEY"),  # only digests: no key the stack could call its gateway with
     ],

@@ -66,7 +66,9 @@ def test_a_bad_entry_is_refused_naming_the_variable_and_the_fields(tmp_path: Pat
     both = [{"key": KEY, "key_sha256": DIGEST, "tenant": "acme", "webhook_secret": SECRET}]
     path = tmp_path / "keys.json"
     path.write_text(json.dumps(both))
-    with pytest.raises(ConfigError, match=r"SIFT_API_KEYS_FILE\.0: .*key, key_sha256") as raised:
+    with pytest.raises(
+        ConfigError, match=r"SIFT_API_KEYS_FILE .*: entry 0: .*key, key_sha256"
+    ) as raised:
         load_settings(api_keys_file=path).all_api_keys()
     assert KEY not in str(raised.value) and SECRET not in str(raised.value)  # not quoted
     with pytest.raises(ConfigError, match=r"SIFT_API_KEYS\.0: .*key, key_sha256"):

@@ -245,8 +245,41 @@ def test_a_keys_files_error_names_its_full_path(tmp_path: Path) -> None:
     keys.write_text('[{"key": "k-00000001", "tenant": "a", "webhook_secret": "nope"}]')
     with pytest.raises(ConfigError) as raised:
         load_settings(api_keys_file=keys).all_api_keys()
-    assert "SIFT_API_KEYS_FILE.0.webhook_secret: String should match pattern" in str(raised.value)
-    assert str(keys) in str(raised.value)
+    said = str(raised.value)
+    assert said.startswith(f"SIFT_API_KEYS_FILE ({keys}): entry 0, field webhook_secret: "), said
+    assert "String should match pattern" in said and "nope" not in said, said
+
+
+@pytest.mark.parametrize(
+    ("text", "problems"),
+    [
+        (None, ["No such file or directory"]),  # the file is not there
+        ("{not json", ["Invalid JSON"]),
+        (
+            json.dumps([{"key": "short", "tenant": "a"}, {"key": "k-00000002", "tenant": "a b"}]),
+            ["entry 0, field key: ", "entry 0, field webhook_secret: Field required",
+             "entry 1, field tenant: ", "entry 1, field webhook_secret: Field required"],
+        ),
+    ],
+    ids=["missing", "not-json", "entries"],
+)  # fmt: skip
+def test_a_keys_files_error_is_one_line_naming_the_setting_and_the_file_once(
+    tmp_path: Path, text: str | None, problems: list[str]
+) -> None:
+    """Each problem of ``SIFT_API_KEYS_FILE`` is named by its entry and field, never its
+    value, on one line that names the setting and the file once: the setting was repeated
+    before every field, and a file not there was named twice (the OS error quotes it)."""
+    keys = tmp_path / "keys.json"
+    if text is not None:
+        keys.write_text(text)
+    with pytest.raises(ConfigError) as raised:
+        load_settings(api_keys_file=keys).all_api_keys()
+    said = str(raised.value)
+    assert said.startswith(f"SIFT_API_KEYS_FILE ({keys}): "), said
+    assert said.count("SIFT_API_KEYS_FILE") == 1 and said.count(str(keys)) == 1, said
+    assert "\n" not in said and "short" not in said, said  # one line, no value quoted
+    for problem in problems:
+        assert problem in said, said
 
 
 @pytest.mark.parametrize(
@@ -470,7 +503,7 @@ def test_a_key_with_whitespace_at_an_end_is_refused_naming_its_entry(
     monkeypatch.delenv("SIFT_API_KEYS")
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps(entries))
-    with pytest.raises(ConfigError, match=r"SIFT_API_KEYS_FILE\.1\.key: .*whitespace") as raised:
+    with pytest.raises(ConfigError, match=r"entry 1, field key: .*whitespace") as raised:
         load_settings(api_keys_file=keys).all_api_keys()
     assert "k-00000001" not in str(raised.value)
 
