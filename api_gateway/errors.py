@@ -209,8 +209,32 @@ def unavailable_reason(app: FastAPI, exc: Exception) -> str:
     credentials, a command its ACL refuses the user, or the TLS handshake Redis refused). A
     refusal was said "could not be reached" of a Redis that was up."""
     if isinstance(exc, redis.TimeoutError):
-        seconds = app.state.settings.gateway_redis_timeout_seconds
-        return f"Redis did not answer within {seconds:g} s (SIFT_GATEWAY_REDIS_TIMEOUT_SECONDS)"
+        return _unanswered(app)
+    return _refusal(app, exc) or UNREACHABLE
+
+
+def public_unavailable_reason(app: FastAPI, exc: Exception) -> str:
+    """Why Redis failed ``/readyz``, which answers anyone, without a key: refused (its
+    credentials, its ACL, its database, its TLS handshake), unanswered in time, or
+    unreachable, in words of the gateway's own. A refusal's :func:`unavailable_reason`
+    quotes Redis (the command its ACL refuses, the credentials' fault, the certificate a
+    handshake refused and the host it names): the gateway's log keeps that."""
+    if isinstance(exc, redis.TimeoutError):
+        return _unanswered(app)  # a setting's name, and its seconds: nothing Redis said
+    if _refusal(app, exc) is None:
+        return UNREACHABLE
+    return "Redis refused the gateway (its log says why)"
+
+
+def _unanswered(app: FastAPI) -> str:
+    seconds = app.state.settings.gateway_redis_timeout_seconds
+    return f"Redis did not answer within {seconds:g} s (SIFT_GATEWAY_REDIS_TIMEOUT_SECONDS)"
+
+
+def _refusal(app: FastAPI, exc: Exception) -> str | None:
+    """Why Redis refused the gateway, quoting what it said, when ``exc`` is a refusal: the
+    database ``SIFT_REDIS_URL`` names, its credentials, a command its ACL refuses the user,
+    or the TLS handshake. None when Redis refused nothing (it was not reached)."""
     if str(exc).startswith(DB_OUT_OF_RANGE):
         return "Redis has no such database as SIFT_REDIS_URL names (DB index is out of range)"
     if isinstance(exc, redis.AuthenticationError):  # NOAUTH, WRONGPASS
@@ -225,19 +249,7 @@ def unavailable_reason(app: FastAPI, exc: Exception) -> str:
         )
     if (handshake := _tls_failure(exc)) is not None:
         return f"the TLS handshake with Redis (SIFT_REDIS_URL) failed ({handshake})"
-    return UNREACHABLE
-
-
-def public_unavailable_reason(app: FastAPI, exc: Exception) -> str:
-    """Why Redis failed ``/readyz``, which answers anyone, without a key: refused (its
-    credentials, its ACL, its database, its TLS handshake), unanswered in time, or
-    unreachable, in words of the gateway's own. A refusal's :func:`unavailable_reason`
-    quotes Redis (the command its ACL refuses, the credentials' fault, the certificate a
-    handshake refused and the host it names): the gateway's log keeps that."""
-    reason = unavailable_reason(app, exc)
-    if isinstance(exc, redis.TimeoutError) or reason == UNREACHABLE:
-        return reason  # a setting's name, and its seconds: nothing Redis said
-    return "Redis refused the gateway (its log says why)"
+    return None
 
 
 def _tls_failure(exc: BaseException) -> str | None:
