@@ -526,11 +526,12 @@ def _commands(sid: int) -> str:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("when", ["starting", "running"])
+@pytest.mark.parametrize("when", ["starting", "running", "batch"])
 def test_ctrl_c_in_sift_demo_says_what_it_stopped(tmp_path: Path, when: str) -> None:
     """Ctrl-C (SIGINT to the terminal's process group) in ``sift demo``, while its stack starts
-    (its Redis up, the worker loading) or once the stack is up (the ingest or the batch
-    running): exit 130, one line saying it was interrupted and what was stopped, no traceback,
+    (its Redis up, the worker loading), once the stack is up (the ingest or the batch
+    running), or once its batch of searches has started (the ingest done): exit 130, one
+    line saying it was interrupted and what was stopped (the step it was in), no traceback,
     every process gone.
 
     Before, it printed nothing but, when the Ctrl-C reached a step's ``sift`` command during
@@ -545,6 +546,9 @@ def test_ctrl_c_in_sift_demo_says_what_it_stopped(tmp_path: Path, when: str) -> 
     try:
         if when == "starting":
             wait_for(lambda: "redis-server" in _commands(proc.pid), "the demo's Redis", UP_TIMEOUT)
+        elif when == "batch":  # the step's `sift batch` is running
+            started = lambda: "worker.cli batch " in _commands(proc.pid)  # noqa: E731
+            wait_for(started, "the demo's batch", UP_TIMEOUT)
         else:
             wait_for(lambda: "stack up at" in printed(), "the demo's stack", UP_TIMEOUT)
         os.killpg(proc.pid, signal.SIGINT)
@@ -563,8 +567,9 @@ def test_ctrl_c_in_sift_demo_says_what_it_stopped(tmp_path: Path, when: str) -> 
         assert "stack up at" not in text, "the stack was up already"
         assert "interrupted while starting; every process stopped" in text, text
     else:
+        step = "batch" if when == "batch" else "(ingest|batch)"
         assert re.search(
-            r"interrupted during the (ingest|batch): it and the stack were stopped; "
+            rf"interrupted during the {step}: it and the stack were stopped; "
             r"every process stopped",
             err.read_text(errors="replace"),
         ), text
