@@ -411,6 +411,9 @@ class _DeadProbeClaimHandler(_DeadClaimHandler):
         body = self.rfile.read(int(self.headers.get("content-length") or 0))
         self._answer(self._forward(body))
 
+    def do_GET(self) -> None:
+        self._answer(self._forward(None))  # the runs' polls answered as the gateway does
+
 
 def test_eval_index_outwaits_the_claim_of_a_probe_whose_gateway_died(
     stack: Stack, corpus: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
