@@ -7,7 +7,7 @@ import hashlib
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -15,9 +15,9 @@ import httpx
 import pytest
 
 from worker.cli._http import Gateway
-from worker.contract import Channel, DocumentIn, RerankInfo, SearchResult, SearchSpec
+from worker.contract import Channel, DocumentIn, FilterValue, RerankInfo, SearchResult, SearchSpec
 from worker.core.catalog import StoredDocument
-from worker.core.pipeline import BeforeModel
+from worker.core.pipeline import BeforeModel, holds_filters
 from worker.core.types import (
     ChannelHit,
     ChannelQuery,
@@ -151,6 +151,9 @@ class InMemoryBackend:
             for row in found
             if row is not None
         }
+
+    def holds_filters(self, document: StoredDocument, filters: Mapping[str, FilterValue]) -> bool:
+        return holds_filters(document.metadata, filters)
 
     def retrieve(self, query: ChannelQuery) -> ChannelResults:
         self.calls.append(query)

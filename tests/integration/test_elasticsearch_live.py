@@ -16,6 +16,7 @@ import pytest
 
 from tests.fakes import FakeEmbedder
 from tests.integration.backend_contract import LifecycleContract
+from tests.integration.test_elasticsearch_stateful import finished_items_keep_what_the_search_finds
 from tests.services import purge, purged
 from worker.adapters.elasticsearch import ElasticsearchBackend
 from worker.core.types import ChannelQuery, Document, HardFilters
@@ -187,5 +188,16 @@ def test_a_purge_deletes_the_tenants_index_and_only_its_documents_from_a_shared_
         again = purge(env, "acme")
         assert again.returncode == 0, again.stdout + again.stderr
         assert "tenant 'acme': nothing of it was found" in again.stdout, again.stdout
+    finally:
+        delete_every_tenants(backend, index)
+
+
+@skip_without_a_cluster
+def test_an_economy_item_keeps_a_document_without_tokens_its_search_finds(index: str) -> None:
+    """:func:`finished_items_keep_what_the_search_finds` on the cluster: its ``flattened``
+    field and its typed tokens, not the stand-in's."""
+    backend = live_backend()
+    try:
+        finished_items_keep_what_the_search_finds(backend, index)
     finally:
         delete_every_tenants(backend, index)

@@ -34,10 +34,10 @@ from worker.adapters.elasticsearch import (
     _listing,
     index_template,
 )
-from worker.adapters.elasticsearch._layout import tenant_key
-from worker.contract import DocumentIn, SearchSpec
-from worker.core.pipeline import PipelineConfig, SearchPipeline
-from worker.core.types import Document
+from worker.adapters.elasticsearch._layout import document_es_id, tenant_key
+from worker.contract import DocumentIn, FilterValue, SearchSpec
+from worker.core.pipeline import PipelineConfig, Prepared, SearchPipeline
+from worker.core.types import Candidate, Document
 from worker.errors import (
     BackendRequestError,
     BackendUnavailable,
@@ -46,6 +46,7 @@ from worker.errors import (
     IndexNotFound,
 )
 from worker.queue.config import ingest_redelivery_window
+from worker.queue.economy.finish import as_stored_now
 from worker.settings import load_settings
 
 pytestmark = pytest.mark.integration
@@ -1093,6 +1094,61 @@ def test_a_number_filter_matches_a_document_without_tokens_however_it_was_writte
     assert filtered(backend, "acme", n=10**16) == {"big"}
     assert filtered(backend, "acme", n=0) == {"zero"}
     assert filtered(backend, "acme", n=5.5) == set()
+
+
+def finished_items_keep_what_the_search_finds(backend: ElasticsearchBackend, index: str) -> None:
+    """An economy item finished on its candidates as stored now keeps those a search with
+    its filters finds now, and drops the others as filtered out, whether a document holds
+    typed tokens (written by Sift) or not (written by an earlier release, or by another
+    tool into the index): one without is found by its metadata as text (``"5"`` is ``5``,
+    a list holds each value, ``{"o": {"k": ...}}`` is ``o.k``), and the item keeps it too.
+    (Shared with the live suite.)"""
+    typed = Document("typed", "alpha typed", "", "1", {"year": 5, "on": True})
+    assert backend.upsert(index, "acme", [typed], vectors_of([typed]), version=1) == 1
+    outside = {
+        "str5": {"year": "5", "on": "true"},
+        "lists": {"year": [5, 2021], "tags": ["a", "b"], "o": {"k": "x"}},
+        "float5": {"year": 5.0, "on": True},
+    }
+    for doc_id, metadata in outside.items():
+        source = {**shared_doc("acme", doc_id, f"alpha {doc_id}"), "metadata": metadata}
+        backend._client.index(
+            index=backend.alias(index, "acme"),
+            id=document_es_id("acme", doc_id),
+            document=source,
+            refresh="wait_for",
+        )
+    ids = ["typed", *outside]
+    cases: list[tuple[dict[str, FilterValue], set[str]]] = [
+        ({"year": 5}, {"typed", "str5", "lists", "float5"}),
+        ({"year": "5"}, {"str5", "lists"}),  # float5 is held as "5.0"
+        ({"on": True}, {"typed", "str5", "float5"}),
+        ({"on": "true"}, {"str5", "float5"}),
+        ({"tags": "a", "o.k": "x"}, {"lists"}),
+        ({"year": 2021.0}, {"lists"}),
+        ({"year": 5.5}, set()),
+    ]
+    for filters, expected in cases:
+        hits = (
+            TestStatefulElasticsearchContract()
+            .search(backend, index, "acme", "alpha", size=10, **filters)
+            .hits
+        )
+        for channel in ("bm25", "knn"):
+            assert {h.document.id for h in hits[channel]} == expected, (filters, channel)
+        candidates = [Candidate(Document(i, "alpha"), n, 0.1, {}, {}) for n, i in enumerate(ids)]
+        item = Prepared(SearchSpec(index=index, query="alpha", filters=filters), candidates, {})
+        [held] = as_stored_now(backend, "acme", [item])
+        assert isinstance(held, Prepared), held
+        assert set(ids) - held.gone == expected, (filters, sorted(held.gone))
+        assert held.filtered_out == set(ids) - expected, filters
+
+
+def test_an_economy_item_keeps_a_document_without_tokens_its_search_finds(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """:func:`finished_items_keep_what_the_search_finds` on the stand-in."""
+    finished_items_keep_what_the_search_finds(backend_on(fake[0]), "docs")
 
 
 def test_the_stand_in_lists_running_tasks_as_es_does(

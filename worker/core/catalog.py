@@ -51,6 +51,11 @@ class StoredDocument:
     revision: str
     metadata: Mapping[str, FilterValue] = field(default_factory=dict)
     version: int | None = None  # the accepted write that put it there (None: unversioned)
+    #: the keywords the backend's metadata filters match this document on, where it keeps
+    #: them apart from the metadata (Elasticsearch's typed tokens, ``year=n:2020``); None
+    #: where its filters read the metadata itself (:meth:`SearchBackend.holds_filters`).
+    #: Not shown: a read of the document answers its metadata.
+    terms: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

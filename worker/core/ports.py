@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any, Protocol
 
-from worker.contract import Channel
+from worker.contract import Channel, FilterValue
 from worker.core.catalog import (
     IndexInfo,
     IndexSize,
@@ -80,6 +80,14 @@ class SearchBackend(Protocol):
         """The tenant's documents of these ids as stored now, by id, in one request; an id
         it holds no document of (deleted, or never written) is left out. What a search
         finished long after its retrieval (an economy item) checks its candidates against."""
+        ...
+
+    def holds_filters(self, document: StoredDocument, filters: Mapping[str, FilterValue]) -> bool:
+        """Whether a search with these metadata ``filters`` finds ``document`` (as
+        :meth:`stored_documents` answered it), compared as this backend's filters compare:
+        what a search finished long after its retrieval (an economy item) asks of a
+        candidate written again meanwhile, so it drops only what its retrieval, run now,
+        would not find."""
         ...
 
     def upsert(

@@ -171,7 +171,9 @@ def _document(backend: IndexCatalog, tenant: str, index: str, doc_id: str) -> An
     with a one-document page (a seek on either backend): a document found costs one read."""
     doc = backend.document(index, tenant, doc_id)
     if doc is not None:
-        return {**asdict(doc), "metadata": shown_metadata(doc.metadata)}
+        shown = {**asdict(doc), "metadata": shown_metadata(doc.metadata)}
+        del shown["terms"]  # what the backend's filters match on, not part of the document
+        return shown
     if backend.documents(index, tenant, None, 1) is None:
         raise IndexNotFound(index)
     return None

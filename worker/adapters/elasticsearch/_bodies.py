@@ -12,6 +12,7 @@ from typing import Any
 
 from worker.adapters.elasticsearch._core import _Core
 from worker.contract import METADATA_KEY_PATTERN, Channel, FilterValue
+from worker.core.catalog import StoredDocument
 from worker.core.types import ChannelQuery, Document, HardFilters, derive_revision
 from worker.errors import BackendRequestError, InvalidRequest, ModeUnavailable
 
@@ -75,6 +76,22 @@ class _Bodies(_Core):
                 "minimum_should_match": 1,
             }
         }
+
+    def holds_filters(self, document: StoredDocument, filters: Mapping[str, FilterValue]) -> bool:
+        """Whether a search with ``filters`` finds ``document`` (as :meth:`stored_documents`
+        read it), each filter compared as :meth:`metadata_filter`'s query compares it: on
+        the document's typed tokens (``document.terms``) when it holds any, else on its
+        metadata as the ``flattened`` field indexes it, as text (:func:`flattened_texts`:
+        a document an earlier release wrote, or one Sift did not write, where ``"5"`` is
+        ``5`` and a list holds each of its values)."""
+        typed = self.fields.metadata_terms and document.terms
+        for key, value in filters.items():
+            if typed:
+                if metadata_term(key, value) not in (document.terms or ()):
+                    return False
+            elif not set(_term_texts(value)) & flattened_texts(document.metadata, key):
+                return False
+        return True
 
     def probe_searches(self, tenant: str) -> list[Mapping[str, Any]]:
         """The ``_msearch`` lines of :meth:`probe`: does the tenant hold a document, and one
@@ -284,6 +301,40 @@ def metadata_term(key: str, value: FilterValue) -> str:
 def metadata_terms(metadata: Mapping[str, FilterValue]) -> list[str]:
     """A document's typed metadata tokens (:func:`metadata_term`), one per key, sorted."""
     return sorted(metadata_term(key, value) for key, value in metadata.items())
+
+
+def flattened_texts(metadata: Mapping[str, Any], key: str) -> set[str]:
+    """The keywords ES's ``flattened`` field indexes under ``key`` for a document's
+    ``metadata`` (its ``_source`` as JSON decodes it): each leaf's, its path the keys down to
+    it joined by dots (``{"a": {"b": 1}}`` and ``{"a.b": 1}`` are both ``a.b``), an array's
+    elements each, a boolean as ``true``/``false``, a number as its JSON text, no null.
+
+    >>> doc = {"tags": ["a", "b"], "o": {"k": 5}, "o.k": 5.0, "on": True, "none": None}
+    >>> sorted(flattened_texts(doc, "tags")), sorted(flattened_texts(doc, "o.k"))
+    (['a', 'b'], ['5', '5.0'])
+    >>> flattened_texts(doc, "on")
+    {'true'}
+    >>> flattened_texts(doc, "none"), flattened_texts(doc, "o"), flattened_texts(doc, "gone")
+    (set(), set(), set())
+    """
+    found: set[str] = set()
+    for path, leaf in _leaves(metadata, ""):
+        if path == key and leaf is not None:
+            found.add(("true" if leaf else "false") if isinstance(leaf, bool) else str(leaf))
+    return found
+
+
+def _leaves(value: Any, path: str) -> list[tuple[str, Any]]:
+    """``value``'s leaves with their dotted paths under ``path``; an array's each."""
+    if isinstance(value, Mapping):
+        return [
+            leaf
+            for name, inner in value.items()
+            for leaf in _leaves(inner, f"{path}.{name}" if path else str(name))
+        ]
+    if isinstance(value, list):
+        return [leaf for inner in value for leaf in _leaves(inner, path)]
+    return [(path, value)]
 
 
 def _integral_int64(value: FilterValue) -> bool:

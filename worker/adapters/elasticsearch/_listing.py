@@ -252,7 +252,18 @@ class _Listing(_Bodies):
             revision=str(src.get(self.fields.revision, "")),
             metadata=dict(src.get(self.fields.metadata) or {}),
             version=int(answer["_version"]) if "_version" in answer else None,
+            terms=self._terms(src),
         )
+
+    def _terms(self, src: dict[str, Any]) -> tuple[str, ...] | None:
+        """The document's typed metadata tokens; None when it has none (ES's ``exists``
+        finds no value in a missing field, a null or ``[]``), or the index keeps none."""
+        if not self.fields.metadata_terms:
+            return None
+        held = src.get(self.fields.metadata_terms)
+        listed = held if isinstance(held, list) else [held]
+        terms = tuple(str(term) for term in listed if term is not None)
+        return terms or None
 
     def documents(
         self, index: str, tenant: str, after: str | None, limit: int

@@ -4,11 +4,13 @@ stored, a page of its documents by id, and a count; each only ever the tenant's 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import cast
 
 from worker.constants import DOCUMENT_PREVIEW_CHARS
+from worker.contract import FilterValue
 from worker.core.catalog import IndexInfo, IndexSize, ListedDocument, StoredDocument
+from worker.core.pipeline import holds_filters
 
 from ._pool import _Pool, _read, _translated
 from ._schema import _holds
@@ -91,6 +93,11 @@ class _Listing(_Pool):
             doc_id: StoredDocument(doc_id, text, title, revision, json.loads(metadata), version)
             for doc_id, revision, metadata, title, text, version in rows
         }
+
+    def holds_filters(self, document: StoredDocument, filters: Mapping[str, FilterValue]) -> bool:
+        """Whether a search with ``filters`` finds ``document``: its metadata compared as
+        JSON values, as the typed SQLite filters of a search compare (:func:`holds_filters`)."""
+        return holds_filters(document.metadata, filters)
 
     def documents(
         self, index: str, tenant: str, after: str | None, limit: int

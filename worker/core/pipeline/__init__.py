@@ -25,6 +25,7 @@ from worker.core.pipeline._prepared import (
     Prepared,
     as_stored,
     dump_prepared,
+    holds_filters,
     load_prepared,
     shown_digest,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "as_stored",
     "dump_prepared",
     "dump_run",
+    "holds_filters",
     "load_prepared",
     "load_run",
     "shown_digest",

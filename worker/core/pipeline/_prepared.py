@@ -4,7 +4,7 @@ model is shown, and the prepared search as JSON for a lane that finishes it late
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -48,15 +48,21 @@ class Prepared:
     policy: str = POLICY_ID
 
 
-def as_stored(prepared: Prepared, stored: Mapping[str, StoredDocument]) -> Prepared:
+def as_stored(
+    prepared: Prepared,
+    stored: Mapping[str, StoredDocument],
+    holds: Callable[[StoredDocument, Mapping[str, FilterValue]], bool] | None = None,
+) -> Prepared:
     """``prepared`` with its candidates' documents as ``stored`` holds them now: a search
     finished long after its retrieval (an economy item waits hours at most on its provider
     batch) returns nothing a delete finished meanwhile removed, and no text an upsert
     replaced. A candidate whose id ``stored`` lacks is ``gone``: in no hit, fallback or trace
     (the trace names its id in ``deleted_since_retrieval``); so is one written again with
-    metadata the search's ``filters`` no longer keep (:func:`holds_filters`; the trace names
-    it in ``filtered_out_since_retrieval``), which its retrieval, filtered, would not find
-    now. The prompt stays as it was sent: the model's positions refer to it.
+    metadata the search's ``filters`` no longer keep (``holds``: the backend's
+    :meth:`~worker.core.ports.SearchBackend.holds_filters`, compared as its filters compare;
+    :func:`holds_filters` by default; the trace names it in
+    ``filtered_out_since_retrieval``), which its retrieval, filtered, would not find now.
+    The prompt stays as it was sent: the model's positions refer to it.
 
     >>> old = Candidate(Document("a", "old text", revision="1"), 1, 0.1, {}, {})
     >>> other = Candidate(Document("b", "b's text", revision="1"), 2, 0.1, {}, {})
@@ -76,10 +82,11 @@ def as_stored(prepared: Prepared, stored: Mapping[str, StoredDocument]) -> Prepa
     ]
     deleted = {c.document.id for c in candidates if c.document.id not in stored}
     filters = prepared.spec.filters
+    kept = holds or _holds_filters
     filtered = {
         c.document.id
         for c in candidates
-        if c.document.id in stored and not holds_filters(c.document.metadata, filters)
+        if (held := stored.get(c.document.id)) is not None and not kept(held, filters)
     }
     gone = frozenset(deleted | filtered)
     trace = dict(prepared.trace)
@@ -98,9 +105,10 @@ def as_stored(prepared: Prepared, stored: Mapping[str, StoredDocument]) -> Prepa
 
 def holds_filters(metadata: Mapping[str, FilterValue], filters: Mapping[str, FilterValue]) -> bool:
     """Whether ``metadata`` holds every key of ``filters`` with an equal value, compared as
-    JSON values as both backends' filters compare them (docs/architecture.md, "Metadata
-    filters"): a boolean only itself, a string only itself, a number any number of the same
-    exact value.
+    JSON values as the backends' filters compare a document Sift wrote (docs/architecture.md,
+    "Metadata filters"): a boolean only itself, a string only itself, a number any number of
+    the same exact value. (Elasticsearch compares a document without typed tokens as text:
+    its own :meth:`~worker.core.ports.SearchBackend.holds_filters` says so.)
 
     >>> holds_filters({"year": 5.0, "lang": "en"}, {"year": 5, "lang": "en"}), holds_filters({}, {})
     (True, True)
@@ -110,6 +118,10 @@ def holds_filters(metadata: Mapping[str, FilterValue], filters: Mapping[str, Fil
     False
     """
     return all(key in metadata and _same(metadata[key], value) for key, value in filters.items())
+
+
+def _holds_filters(document: StoredDocument, filters: Mapping[str, FilterValue]) -> bool:
+    return holds_filters(document.metadata, filters)
 
 
 def _same(held: FilterValue, wanted: FilterValue) -> bool:

@@ -157,7 +157,11 @@ def as_stored_now(
                 now[n] = exc
             continue
         for n in members:
-            now[n] = IndexNotFound(index) if stored is None else as_stored(items[n], stored)
+            now[n] = (
+                IndexNotFound(index)
+                if stored is None
+                else as_stored(items[n], stored, backend.holds_filters)
+            )
     return now
 
 
