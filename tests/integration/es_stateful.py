@@ -31,7 +31,7 @@ after a drop, a reindex, a race) instead of the requests the adapter happens to 
 * ``script_fields`` of the two painless scripts the documents listing sends (no other: a
   script the stand-in does not know is refused), run with Java's string semantics: UTF-16
   units, a surrogate pair one code point to ``codePointCount`` and ``offsetByCodePoints``;
-* queries: ``bool``, ``term``, ``terms``, ``exists``, ``multi_match``, and ``range``
+* queries: ``bool``, ``term``, ``terms``, ``ids``, ``exists``, ``multi_match``, and ``range``
   (``gt``/``gte``/``lt``/``lte``) on a ``long`` field (a document without it matches no
   range, as in ES);
 * ``_search``, ``_msearch``, ``_count``, ``GET _doc``, ``_mget`` by ``ids`` (a missing
@@ -708,6 +708,8 @@ class StatefulElasticsearch:
             if name == "_index":
                 return index.name in wanted
             return bool({_keyword(w) for w in wanted} & _keywords(_field(source, name)))
+        if kind == "ids":
+            return doc_id in args["values"]
         if kind == "exists":  # null and [] hold no indexed value
             return bool(_keywords(_field(source, args["field"])))
         if kind == "range":

@@ -2287,9 +2287,24 @@ def test_document_gets_the_tenants_id_without_the_vector(server: FakeElasticsear
     (sent,) = server.sent("GET", f"/{ACME}/_doc/acme%3Ad1")
     assert sent.query["_source_excludes"] == ["vector"]
     server.on("GET", f"/{ACME}/_doc/acme%3Ad2", Answer(404, get_missing(CONCRETE, "acme:d2")))
+    server.on("POST", f"/{ACME}/_search", Answer(200, search_response([])))
     assert backend_for(server).document("docs", "acme", "d2") is None
-    server.on("GET", "/sift-none/_doc/acme%3Ad1", Answer(404, index_missing("sift-none")))
+    # not under Sift's _id: the tenant's document of that id under an _id of its own (an
+    # index another tool wrote) is looked for by its id field, or its _id where it has none
+    (looked,) = server.sent("POST", f"/{ACME}/_search")
+    assert looked.json()["query"] == {
+        "bool": {
+            "filter": [{"term": {"tenant": "acme"}}],
+            "should": [{"terms": {"doc_id": ["d2"]}}, {"ids": {"values": ["d2"]}}],
+            "minimum_should_match": 1,
+        }
+    }
+    assert looked.query["_source_excludes"] == ["vector"] and looked.json()["version"] is True
+    none = f"sift-{tenant_key('acme')}--none"
+    server.on("GET", f"/{none}/_doc/acme%3Ad1", Answer(404, index_missing(none)))
     assert backend_for(server).document("none", "acme", "d1") is None
+    assert server.sent("GET", f"/{none}/_doc/acme%3Ad1")
+    assert not server.sent("POST", f"/{none}/_search")  # a missing index: no search
 
 
 def listed_page(*hits: dict[str, Any]) -> dict[str, Any]:

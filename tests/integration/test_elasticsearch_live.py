@@ -16,7 +16,10 @@ import pytest
 
 from tests.fakes import FakeEmbedder
 from tests.integration.backend_contract import LifecycleContract
-from tests.integration.test_elasticsearch_stateful import finished_items_keep_what_the_search_finds
+from tests.integration.test_elasticsearch_stateful import (
+    documents_under_their_own_ids_read_as_searched,
+    finished_items_keep_what_the_search_finds,
+)
 from tests.services import purge, purged
 from worker.adapters.elasticsearch import ElasticsearchBackend
 from worker.core.types import ChannelQuery, Document, HardFilters
@@ -199,5 +202,17 @@ def test_an_economy_item_keeps_a_document_without_tokens_its_search_finds(index:
     backend = live_backend()
     try:
         finished_items_keep_what_the_search_finds(backend, index)
+    finally:
+        delete_every_tenants(backend, index)
+
+
+@skip_without_a_cluster
+def test_a_document_another_tool_wrote_under_its_own_id_reads_as_it_is_searched(
+    index: str,
+) -> None:
+    """:func:`documents_under_their_own_ids_read_as_searched` on the cluster."""
+    backend = live_backend()
+    try:
+        documents_under_their_own_ids_read_as_searched(backend, index)
     finally:
         delete_every_tenants(backend, index)

@@ -1151,6 +1151,52 @@ def test_an_economy_item_keeps_a_document_without_tokens_its_search_finds(
     finished_items_keep_what_the_search_finds(backend_on(fake[0]), "docs")
 
 
+def documents_under_their_own_ids_read_as_searched(
+    backend: ElasticsearchBackend, index: str
+) -> None:
+    """An index that already exists (deploy/README.md §4: a tenant's alias over it) holds
+    documents under the ``_id`` its own tool gave them, not Sift's ``<tenant>:<id>``. A
+    search finds one by its id field (or, without one, by its ``_id``) and the listing
+    lists it; a read of it by that id, and an economy item's finish, read the same
+    document: another tenant's stays unread, and one never written is none.
+    (Shared with the live suite.)"""
+    first = Document("sift-1", "alpha written by sift")
+    assert backend.upsert(index, "acme", [first], vectors_of([first]), version=1) == 1
+    theirs = {
+        "cat-1": {**shared_doc("acme", "cat-1", "alpha catalogue one"), "metadata": {"y": 1}},
+        "cat-2": shared_doc("beta", "cat-2", "alpha catalogue two"),
+        "raw-3": {k: v for k, v in shared_doc("acme", "_", "alpha raw").items() if k != "doc_id"},
+    }
+    for es_id, source in theirs.items():
+        backend._client.index(
+            index=backend.alias(index, "acme"), id=es_id, document=source, refresh="wait_for"
+        )
+    hits = TestStatefulElasticsearchContract().search(backend, index, "acme", "alpha").hits
+    assert {h.document.id for h in hits["bm25"]} == {"sift-1", "cat-1", "raw-3"}
+    listed = backend.documents(index, "acme", None, 10) or []
+    assert [d.id for d in listed] == ["cat-1", "sift-1"]
+    got = backend.document(index, "acme", "cat-1")
+    assert got is not None and (got.text, got.metadata) == ("alpha catalogue one", {"y": 1})
+    assert backend.document(index, "acme", "cat-2") is None  # beta's
+    asked = ["sift-1", "cat-1", "cat-2", "raw-3", "never"]
+    stored = backend.stored_documents(index, "acme", asked)
+    assert sorted(stored) == ["cat-1", "raw-3", "sift-1"], stored
+    assert stored["raw-3"].text == "alpha raw"
+    candidates = [Candidate(Document(i, "alpha"), n, 0.1, {}, {}) for n, i in enumerate(stored)]
+    item = Prepared(SearchSpec(index=index, query="alpha"), candidates, {})
+    [held] = as_stored_now(backend, "acme", [item])
+    assert isinstance(held, Prepared) and not held.gone, held
+    assert backend.delete_documents(index, "acme", ["sift-1"], version=2) == 1
+    assert "sift-1" not in backend.stored_documents(index, "acme", ["sift-1", "cat-1"])
+
+
+def test_a_document_another_tool_wrote_under_its_own_id_reads_as_it_is_searched(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """:func:`documents_under_their_own_ids_read_as_searched` on the stand-in."""
+    documents_under_their_own_ids_read_as_searched(backend_on(fake[0]), "docs")
+
+
 def test_the_stand_in_lists_running_tasks_as_es_does(
     fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
 ) -> None:

@@ -13,6 +13,7 @@ from worker.adapters.elasticsearch._bodies import _Bodies
 from worker.adapters.elasticsearch._errors import (
     _error_type,
     _first_key,
+    _index_missing,
     _raise_for_doc,
     _raise_if_partial,
     _total,
@@ -189,8 +190,9 @@ class _Listing(_Bodies):
         return self._info(index, count, model) if count else None
 
     def document(self, index: str, tenant: str, doc_id: str) -> StoredDocument | None:
-        """``GET <alias>/_doc/<_id>`` (:func:`document_es_id`) without the vector; None if the
-        tenant has none."""
+        """``GET <alias>/_doc/<_id>`` (:func:`document_es_id`) without the vector; if none,
+        the tenant's document of that id under an ``_id`` of its own (:meth:`_found_by_id`);
+        None if the tenant has none."""
         with _translated(f"document in index {index!r}", index, missing_ok=True) as missing:
             try:
                 answer = (
@@ -205,21 +207,23 @@ class _Listing(_Bodies):
             except NotFoundError as exc:
                 if _error_type(exc) == "index_not_found_exception":
                     raise
-                return None
-        if missing or not answer.get("found"):
+                answer = {}  # no such _id
+        if missing:
             return None
-        if answer.get("_source", {}).get(self.fields.tenant) != tenant:
-            return None
-        return self._stored(doc_id, answer)
+        if answer.get("found") and answer.get("_source", {}).get(self.fields.tenant) == tenant:
+            return self._stored(doc_id, answer)
+        return self._found_by_id(index, tenant, [doc_id]).get(doc_id)
 
     def stored_documents(
         self, index: str, tenant: str, ids: Sequence[str]
     ) -> dict[str, StoredDocument]:
         """``_mget`` of the ids' ``_id`` (:func:`document_es_id`) on the tenant's alias,
-        without the vector: those found and the tenant's, by id. A missing alias holds none
-        (a 404, or an ``index_not_found`` in each document's place); any other error in a
-        document's place is raised (:func:`_raise_for_doc`): that document is not known to
-        be gone, and a caller would take it for deleted."""
+        without the vector: those found and the tenant's, by id; the ids it did not find,
+        one search more on the id field (:meth:`_found_by_id`: a document another tool wrote
+        under an ``_id`` of its own). A missing alias holds none (a 404, or an
+        ``index_not_found`` in each document's place); any other error in a document's
+        place is raised (:func:`_raise_for_doc`): that document is not known to be gone,
+        and a caller would take it for deleted."""
         if not ids:
             return {}
         with _translated(f"documents in index {index!r}", index, missing_ok=True) as missing:
@@ -234,11 +238,55 @@ class _Listing(_Bodies):
             )
         if missing:
             return {}
-        found = {}
+        found, gone = {}, False
         for doc_id, doc in zip(ids, answer.get("docs", []), strict=False):
             _raise_for_doc(doc, f"documents in index {index!r}")
+            gone = gone or _index_missing(doc)
             if doc.get("found") and doc.get("_source", {}).get(self.fields.tenant) == tenant:
                 found[doc_id] = self._stored(doc_id, doc)
+        unread = [doc_id for doc_id in ids if doc_id not in found]
+        if unread and not gone:
+            found.update(self._found_by_id(index, tenant, unread))
+        return found
+
+    def _found_by_id(
+        self, index: str, tenant: str, ids: Sequence[str]
+    ) -> dict[str, StoredDocument]:
+        """The tenant's documents of these ids stored under an ``_id`` other than Sift's
+        (:func:`document_es_id`): an index that already exists, aliased for the tenant
+        (deploy/README.md §4), holds its tool's ``_id``s, and a search finds its documents
+        by their id field, or by the ``_id`` itself where they have none
+        (:meth:`_hit`). One tenant-filtered search for both, without the vector. A hit
+        under Sift's own ``_id`` for its id is not taken: the ``_mget`` (realtime) did not
+        find it, so it is deleted, and the search (near-realtime) may not know yet."""
+        fields = self.fields
+        query, asked = self.tenant_query(tenant), list(ids)
+        query["bool"]["should"] = [{"terms": {fields.id: asked}}, {"ids": {"values": asked}}]
+        query["bool"]["minimum_should_match"] = 1
+        what = f"documents in index {index!r}"
+        with _translated(what, index, missing_ok=True) as missing:
+            answer = (
+                self._es()
+                .search(
+                    index=self.alias(index, tenant),
+                    query=query,
+                    size=2 * len(ids),
+                    source_excludes=[fields.vector],
+                    version=True,
+                    track_total_hits=False,
+                )
+                .body
+            )
+        if missing:
+            return {}
+        _raise_if_partial(answer, what)
+        wanted, found = set(ids), {}
+        for hit in answer.get("hits", {}).get("hits", []):
+            held = (hit.get("_source") or {}).get(fields.id)
+            doc_id = str(hit["_id"]) if held is None else str(held)
+            sifts = hit["_id"] == document_es_id(tenant, doc_id)  # deleted: the _mget said so
+            if doc_id in wanted and doc_id not in found and not sifts:
+                found[doc_id] = self._stored(doc_id, hit)
         return found
 
     def _stored(self, doc_id: str, answer: dict[str, Any]) -> StoredDocument:
