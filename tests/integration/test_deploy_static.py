@@ -35,6 +35,7 @@ from worker.constants import (
 )
 from worker.errors import ConfigError
 from worker.processes.stack import free_port, redis_service
+from worker.processes.workers import stop_deadline, supervisor_stop_deadline
 from worker.queue.config import TASK_ROUTES, celery_config
 from worker.settings import Settings, load_settings
 
@@ -195,6 +196,33 @@ def test_the_gateway_outlives_its_longest_wait_when_stopped(compose: dict[str, A
     (container,) = pod["spec"]["containers"]
     pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
     assert pod["spec"]["terminationGracePeriodSeconds"] >= MAX_WAIT_SECONDS + int(pre_stop[-1]) + 5
+
+
+def test_the_workers_stop_grace_outlasts_their_own_stop_bound(
+    compose: dict[str, Any], manifests: tuple[str, list[dict[str, Any]]]
+) -> None:
+    """A stopped worker gives its running tasks until its stop deadline, then exits, and its
+    supervisor SIGKILLs a process still there a margin later (supervisor_stop_deadline). A
+    grace shorter than that has the container killed first, its processes' lines unsaid.
+    deploy/README.md said a worker had the whole grace "to finish a running search": it
+    gives one its stop deadline (25 s), and says so now, with the bound."""
+    settings = load_settings()
+    bound = supervisor_stop_deadline(settings)
+    worker = compose["services"]["worker"]
+    assert "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS" not in worker["environment"]
+    assert int(str(worker["stop_grace_period"]).removesuffix("s")) > bound
+    pod = by_kind(manifests[1])["Deployment", "sift-worker"]["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] > bound
+    readme = " ".join((DEPLOY / "README.md").read_text().split())
+    grace = pod["terminationGracePeriodSeconds"]
+    assert f"has {grace} s before it is killed" in readme
+    for seconds in (
+        stop_deadline(settings, warming_up=False),
+        stop_deadline(settings, warming_up=True),
+        bound,
+    ):
+        assert f"{seconds:g} s" in readme, seconds
+    assert "to finish a running search" not in readme
 
 
 def test_compose_bind_mounts_exist(compose: dict[str, Any]) -> None:
