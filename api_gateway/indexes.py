@@ -61,7 +61,13 @@ from worker.constants import (
     MAX_LIST_READ_BYTES,
     SEARCH_QUEUE,
 )
-from worker.contract import INDEX_PATTERN, FilterValue, FusionMethod, IndexSettingsPatch
+from worker.contract import (
+    INDEX_PATTERN,
+    STORED_METADATA_DOC,
+    FusionMethod,
+    IndexSettingsPatch,
+    StoredValue,
+)
 from worker.errors import InvalidRequest
 from worker.redis_client import CANNOT_PERSIST
 
@@ -163,7 +169,7 @@ class StoredDocumentOut(BaseModel):
     text: str
     title: str
     revision: str
-    metadata: dict[str, FilterValue]
+    metadata: dict[str, StoredValue] = Field(description=STORED_METADATA_DOC)
     version: int | None = Field(None, description="The accepted write that stored it.")
 
 
@@ -175,7 +181,7 @@ class ListedDocumentOut(BaseModel):
     id: str
     title: str
     revision: str
-    metadata: dict[str, FilterValue]
+    metadata: dict[str, StoredValue] = Field(description=STORED_METADATA_DOC)
     version: int | None = Field(None, description="The accepted write that stored it.")
     text_preview: str = Field(
         description=f"The first {DOCUMENT_PREVIEW_CHARS} characters of the text "

@@ -16,6 +16,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    JsonValue,
     PlainValidator,
     PrivateAttr,
     SerializerFunctionWrapHandler,
@@ -43,6 +44,17 @@ Mode = Literal["fts", "vector", "hybrid"]
 Channel = Literal["bm25", "knn"]
 FusionMethod = Literal["rrf", "linear"]
 FilterValue = str | int | float | bool
+#: A metadata value as a hit, a document read or a listing shows it: any JSON value. Sift
+#: writes only :data:`FilterValue`\ s (:class:`DocumentIn`); an index that already exists
+#: (deploy/README.md §4) holds what its own tool wrote, lists, objects and nulls included
+#: (its ``flattened`` metadata field takes them), and shows it as it holds it.
+StoredValue = JsonValue
+#: What the API says of a shown document's metadata (a hit's, a read's, a listing's).
+STORED_METADATA_DOC = (
+    "As the index holds it. Sift writes strings, numbers and booleans; an Elasticsearch "
+    "index that already exists (deploy/README.md §4) may hold lists, objects and nulls its "
+    "own tool wrote, shown as they are."
+)
 
 # --- what a client may send as metadata and filters -----------------------------------------
 # Checked where a request comes in (the gateway's request models), not on the types the
@@ -388,7 +400,7 @@ class Hit(BaseModel):
     revision: str
     title: str = ""
     text: str
-    metadata: dict[str, FilterValue] = Field(default_factory=dict)
+    metadata: dict[str, StoredValue] = Field(default_factory=dict, description=STORED_METADATA_DOC)
     ranks: Ranks
     scores: Scores
 

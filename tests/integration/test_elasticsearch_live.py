@@ -19,6 +19,7 @@ from tests.integration.backend_contract import LifecycleContract
 from tests.integration.test_elasticsearch_stateful import (
     documents_under_their_own_ids_read_as_searched,
     finished_items_keep_what_the_search_finds,
+    metadata_another_tool_wrote_shows_as_held,
 )
 from tests.services import purge, purged
 from worker.adapters.elasticsearch import ElasticsearchBackend
@@ -214,5 +215,18 @@ def test_a_document_another_tool_wrote_under_its_own_id_reads_as_it_is_searched(
     backend = live_backend()
     try:
         documents_under_their_own_ids_read_as_searched(backend, index)
+    finally:
+        delete_every_tenants(backend, index)
+
+
+@skip_without_a_cluster
+def test_metadata_another_tool_wrote_shows_as_held_in_hits_reads_and_listings(
+    index: str,
+) -> None:
+    """:func:`metadata_another_tool_wrote_shows_as_held` on the cluster: its ``flattened``
+    field, not the stand-in's."""
+    backend = live_backend()
+    try:
+        metadata_another_tool_wrote_shows_as_held(backend, index)
     finally:
         delete_every_tenants(backend, index)

@@ -15,6 +15,7 @@ import pytest
 from elasticsearch import ApiError, ConflictError, Elasticsearch
 from elasticsearch.exceptions import GeneralAvailabilityWarning
 
+from api_gateway.indexes import ListedDocumentOut, StoredDocumentOut
 from tests.integration.backend_contract import EMBEDDER, LifecycleContract, vectors_of
 from tests.integration.es_loopback import (
     Answer,
@@ -36,7 +37,7 @@ from worker.adapters.elasticsearch import (
 )
 from worker.adapters.elasticsearch._layout import document_es_id, tenant_key
 from worker.contract import DocumentIn, FilterValue, SearchSpec
-from worker.core.pipeline import PipelineConfig, Prepared, SearchPipeline
+from worker.core.pipeline import PipelineConfig, Prepared, RerankRun, SearchPipeline
 from worker.core.types import Candidate, Document
 from worker.errors import (
     BackendRequestError,
@@ -45,6 +46,7 @@ from worker.errors import (
     IndexLimitReached,
     IndexNotFound,
 )
+from worker.queue import lifecycle
 from worker.queue.config import ingest_redelivery_window
 from worker.queue.economy.finish import as_stored_now
 from worker.settings import load_settings
@@ -1195,6 +1197,49 @@ def test_a_document_another_tool_wrote_under_its_own_id_reads_as_it_is_searched(
 ) -> None:
     """:func:`documents_under_their_own_ids_read_as_searched` on the stand-in."""
     documents_under_their_own_ids_read_as_searched(backend_on(fake[0]), "docs")
+
+
+def metadata_another_tool_wrote_shows_as_held(backend: ElasticsearchBackend, index: str) -> None:
+    """A document another tool wrote into an index that already exists (deploy/README.md
+    §4) may hold lists, objects and nulls in its metadata, which the ``flattened`` field
+    takes: a search's hit, an economy item finished on its candidates as stored now, a read
+    of it and a listing show that metadata as the index holds it (the gateway's response
+    types take it), next to a document Sift wrote. (Shared with the live suite.)"""
+    mine = Document("sift-1", "alpha mine", metadata={"year": 5})
+    assert backend.upsert(index, "acme", [mine], vectors_of([mine]), version=1) == 1
+    held: dict[str, Any] = {"tags": ["a", "b"], "o": {"k": 1, "l": [True, None]}, "none": None}
+    source = {**shared_doc("acme", "cat-1", "alpha catalogue"), "metadata": held}
+    backend._client.index(
+        index=backend.alias(index, "acme"), id="cat-1", document=source, refresh="wait_for"
+    )
+    shown = {"sift-1": {"year": 5}, "cat-1": held}
+    config = PipelineConfig(failure_policy="fail_open")  # the finish below has no model
+    pipeline = SearchPipeline(backend, EMBEDDER, config=config)
+    for filters in ({}, {"tags": "a"}):
+        spec = SearchSpec(index=index, query="alpha", rerank=False, filters=filters)
+        result = pipeline.search(spec, "acme")
+        assert {h.id: h.metadata for h in result.hits} == {
+            i: m for i, m in shown.items() if i == "cat-1" or not filters
+        }, filters
+    ids = ["sift-1", "cat-1"]
+    candidates = [Candidate(Document(i, "alpha"), n, 0.1, {}, {}) for n, i in enumerate(ids, 1)]
+    item = Prepared(SearchSpec(index=index, query="alpha"), candidates, {"candidate_max_chars": 9})
+    [now] = as_stored_now(backend, "acme", [item])
+    assert isinstance(now, Prepared) and not now.gone, now
+    finished = pipeline.finish_without_model(now, RerankRun())
+    assert {h.id: h.metadata for h in finished.hits} == shown
+    got = lifecycle._document(backend, "acme", index, "cat-1")
+    assert StoredDocumentOut.model_validate(got).metadata == held
+    page = lifecycle._documents(backend, "acme", index, json.dumps({"after": None, "limit": 9}))
+    listed = [ListedDocumentOut.model_validate(d) for d in page["documents"]]
+    assert {d.id: d.metadata for d in listed} == shown
+
+
+def test_metadata_another_tool_wrote_shows_as_held_in_hits_reads_and_listings(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """:func:`metadata_another_tool_wrote_shows_as_held` on the stand-in."""
+    metadata_another_tool_wrote_shows_as_held(backend_on(fake[0]), "docs")
 
 
 def test_the_stand_in_lists_running_tasks_as_es_does(

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from worker.contract import FilterValue, FusionSpec
+from worker.contract import FusionSpec, StoredValue
 from worker.core.fusion import FusionOverride
 
 
@@ -49,7 +49,7 @@ class StoredDocument:
     text: str
     title: str
     revision: str
-    metadata: Mapping[str, FilterValue] = field(default_factory=dict)
+    metadata: Mapping[str, StoredValue] = field(default_factory=dict)
     version: int | None = None  # the accepted write that put it there (None: unversioned)
     #: the keywords the backend's metadata filters match this document on, where it keeps
     #: them apart from the metadata (Elasticsearch's typed tokens, ``year=n:2020``); None
@@ -69,7 +69,7 @@ class ListedDocument:
     revision: str
     text_preview: str
     text_length: int  # characters (code points) of the whole text
-    metadata: Mapping[str, FilterValue] = field(default_factory=dict)
+    metadata: Mapping[str, StoredValue] = field(default_factory=dict)
     version: int | None = None
 
 

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from worker.constants import RRF_K
-from worker.contract import Channel, FilterValue, FusionMethod
+from worker.contract import Channel, FilterValue, FusionMethod, StoredValue
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,10 +19,12 @@ class Document:
     text: str
     title: str = ""
     revision: str = "1"
-    metadata: Mapping[str, FilterValue] = field(default_factory=dict)
+    #: what Sift writes holds :data:`~worker.contract.FilterValue`\ s; a document read from
+    #: an index another tool wrote, any JSON value
+    metadata: Mapping[str, StoredValue] = field(default_factory=dict)
 
 
-def derive_revision(title: str, text: str, metadata: Mapping[str, FilterValue]) -> str:
+def derive_revision(title: str, text: str, metadata: Mapping[str, StoredValue]) -> str:
     """A stable revision for a document that came without one: same content, same revision,
     on every backend.
 

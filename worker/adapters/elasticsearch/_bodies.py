@@ -186,21 +186,23 @@ class _Bodies(_Core):
     ) -> dict[str, Any]:
         """The ``_source`` Sift writes for one document (``model``: its vector's embedder;
         ``version``: its write's version, what a drop compares with its own)."""
+        metadata: dict[str, FilterValue] = {}
         for key, value in doc.metadata.items():
             if not _FILTER_KEY.match(key) or not isinstance(value, str | int | float | bool):
                 raise InvalidRequest(
                     f"documents[{doc.id}].metadata", f"bad key or value for {key!r}"
                 )
-        revision = doc.revision or derive_revision(doc.title, doc.text, doc.metadata)
+            metadata[key] = value
+        revision = doc.revision or derive_revision(doc.title, doc.text, metadata)
         body: dict[str, Any] = {
             self.fields.id: doc.id,
             self.fields.text: doc.text,
             self.fields.tenant: tenant,
             self.fields.revision: revision,
-            self.fields.metadata: dict(doc.metadata),
+            self.fields.metadata: metadata,
         }
         if self.fields.metadata_terms:
-            body[self.fields.metadata_terms] = metadata_terms(doc.metadata)
+            body[self.fields.metadata_terms] = metadata_terms(metadata)
         if self.fields.write_version and version is not None:
             body[self.fields.write_version] = version
         if self.fields.title:

@@ -7,7 +7,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from worker.contract import FilterValue
+from worker.contract import StoredValue
 from worker.core.types import Candidate, RerankPrompt
 
 
@@ -28,21 +28,29 @@ def stage_seconds(trace: dict[str, Any]) -> dict[str, float]:
     return {stage: float(s) for stage, s in found.items() if isinstance(s, int | float)}
 
 
-def shown_metadata(metadata: Mapping[str, FilterValue]) -> dict[str, FilterValue]:
-    """Metadata as a hit or a document read shows it. A non-finite float (the gateway refuses
-    them now; a document stored before may hold one) goes by its name: JSON has no such
-    number, and written as ``null`` the hit could not be read back, so every search
-    returning the document was a 500 (a document read said ``null``).
+def shown_metadata(metadata: Mapping[str, StoredValue]) -> dict[str, StoredValue]:
+    """Metadata as a hit or a document read shows it: as stored, any JSON value (a list, an
+    object, a null: what another tool wrote into an index that already exists). A
+    non-finite float (the gateway refuses them now; a document stored before may hold one),
+    at any depth, goes by its name: JSON has no such number, and written as ``null`` the
+    hit could not be read back, so every search returning the document was a 500 (a
+    document read said ``null``).
 
     >>> shown_metadata({"a": float("nan"), "b": float("inf"), "c": -float("inf"), "d": 1.5})
     {'a': 'NaN', 'b': 'Infinity', 'c': '-Infinity', 'd': 1.5}
+    >>> shown_metadata({"tags": ["x", float("nan")], "o": {"k": None}})
+    {'tags': ['x', 'NaN'], 'o': {'k': None}}
     """
     return {key: _shown(value) for key, value in metadata.items()}
 
 
-def _shown(value: FilterValue) -> FilterValue:
+def _shown(value: StoredValue) -> StoredValue:
     if isinstance(value, float) and not math.isfinite(value):
         return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, list):
+        return [_shown(inner) for inner in value]
+    if isinstance(value, dict):
+        return {key: _shown(inner) for key, inner in value.items()}
     return value
 
 

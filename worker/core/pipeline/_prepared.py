@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from worker.constants import POLICY_ID
-from worker.contract import FilterValue, SearchResult, SearchSpec
+from worker.contract import FilterValue, SearchResult, SearchSpec, StoredValue
 from worker.core.catalog import StoredDocument
 from worker.core.pipeline._hits import _trace_candidates
 from worker.core.policy import shown_head
@@ -103,7 +103,7 @@ def as_stored(
     )
 
 
-def holds_filters(metadata: Mapping[str, FilterValue], filters: Mapping[str, FilterValue]) -> bool:
+def holds_filters(metadata: Mapping[str, StoredValue], filters: Mapping[str, FilterValue]) -> bool:
     """Whether ``metadata`` holds every key of ``filters`` with an equal value, compared as
     JSON values as the backends' filters compare a document Sift wrote (docs/architecture.md,
     "Metadata filters"): a boolean only itself, a string only itself, a number any number of
@@ -124,7 +124,7 @@ def _holds_filters(document: StoredDocument, filters: Mapping[str, FilterValue])
     return holds_filters(document.metadata, filters)
 
 
-def _same(held: FilterValue, wanted: FilterValue) -> bool:
+def _same(held: StoredValue, wanted: FilterValue) -> bool:
     if isinstance(held, bool | str) or isinstance(wanted, bool | str):
         return type(held) is type(wanted) and held == wanted
     return held == wanted
