@@ -28,6 +28,7 @@ from tests.integration.es_loopback import (
     aliases,
     bulk_item,
     bulk_response,
+    delete_by_query_response,
     delete_by_query_task,
     drop_counts,
     error_body,
@@ -161,6 +162,13 @@ def on_existing_index(server: FakeElasticsearchServer, alias: str = ACME) -> Non
     release: a write's first ``PUT _mapping`` adds the fields the template gained since."""
     server.on("HEAD", f"/_alias/{alias}", Answer(200))
     server.on("PUT", f"/{alias}/_mapping", Answer(200, {"acknowledged": True}))
+    on_other_ids(server, alias)
+
+
+def on_other_ids(server: FakeElasticsearchServer, alias: str = ACME, deleted: int = 0) -> None:
+    """After a write by id, the ``_delete_by_query`` of the tenant's documents of its ids
+    under ``_id``s other than Sift's (an index Sift wrote holds none: 0 deleted)."""
+    server.on("POST", f"/{alias}/_delete_by_query", Answer(200, delete_by_query_response(deleted)))
 
 
 def on_probes(server: FakeElasticsearchServer, answer: Answer, times: int | None = None) -> None:
@@ -237,6 +245,7 @@ def test_first_upsert_puts_the_template_creates_index_and_alias_then_bulk_writes
     )
     server.on("PUT", f"/{ACME}/_mapping", Answer(200, {"acknowledged": True}))
     server.on("PUT", "/_bulk", bulk_ok)
+    on_other_ids(server)
     backend = backend_for(server)
     docs = [
         Document("d1", "Vitamin D and fractures", "Vit D", "r7", {"year": 2020, "lang": "en"}),
@@ -251,6 +260,7 @@ def test_first_upsert_puts_the_template_creates_index_and_alias_then_bulk_writes
         ("PUT", f"/{CONCRETE}"),
         ("PUT", f"/{ACME}/_mapping"),
         ("PUT", "/_bulk"),
+        ("POST", f"/{ACME}/_delete_by_query"),  # the ids under other _ids: none here
     ]
     assert server.requests[2].json() == EXPECTED_TEMPLATE
     assert server.requests[3].json() == {"aliases": {ACME: {}}}
@@ -294,10 +304,34 @@ def test_first_upsert_puts_the_template_creates_index_and_alias_then_bulk_writes
         },
     ]
 
+    # then acme's documents of those ids under other _ids (an index that already exists,
+    # aliased for acme, holds its own tool's _ids), by the id field or an _id without it
+    other_ids = server.requests[6]
+    assert other_ids.query == {"conflicts": ["proceed"]}
+    untagged = {
+        "bool": {
+            "filter": [{"ids": {"values": ["d1", "d2"]}}],
+            "must_not": [{"exists": {"field": "doc_id"}}],
+        }
+    }
+    assert other_ids.json() == {
+        "query": {
+            "bool": {
+                "filter": [{"term": {"tenant": "acme"}}],
+                "should": [{"terms": {"doc_id": ["d1", "d2"]}}, untagged],
+                "minimum_should_match": 1,
+                "must_not": [{"ids": {"values": ["acme:d1", "acme:d2"]}}],
+            }
+        }
+    }
+
     # acme's index is known now: its next upsert goes straight to _bulk
     assert backend.upsert("docs", "acme", [Document("d3", "again", revision="r")], None) == 1
-    assert [(r.method, r.path) for r in server.requests[6:]] == [("PUT", "/_bulk")]
-    assert server.requests[6].ndjson()[0] == {"index": {"_id": "acme:d3", "_index": ACME}}
+    assert [(r.method, r.path) for r in server.requests[7:]] == [
+        ("PUT", "/_bulk"),
+        ("POST", f"/{ACME}/_delete_by_query"),
+    ]
+    assert server.requests[7].ndjson()[0] == {"index": {"_id": "acme:d3", "_index": ACME}}
 
 
 def test_the_analyzer_setting_goes_into_the_template_of_text_and_title(
@@ -312,6 +346,7 @@ def test_the_analyzer_setting_goes_into_the_template_of_text_and_title(
     server.on("PUT", f"/{CONCRETE}", Answer(200, {"acknowledged": True, "index": CONCRETE}))
     server.on("PUT", f"/{ACME}/_mapping", Answer(200, {"acknowledged": True}))
     server.on("PUT", "/_bulk", bulk_ok)
+    on_other_ids(server)
     backend = backend_for(server, elasticsearch_analyzer="french")
     assert backend.upsert("docs", "acme", [Document("d1", "l'église", revision="r")], None) == 1
 
@@ -394,6 +429,7 @@ def test_two_tenants_writing_one_name_each_get_their_own_physical_index(
     server.on("PUT", f"/{BETA}~000001", Answer(200, {"acknowledged": True, "index": BETA}))
     server.on("PUT", f"/{BETA}/_mapping", Answer(200, {"acknowledged": True}))
     server.on("PUT", "/_bulk", bulk_ok)
+    on_other_ids(server, BETA)
     backend = backend_for(server)
     assert backend.upsert("docs", "acme", [Document("d1", "acme's text")], None) == 1
     server.requests.clear()
@@ -405,6 +441,7 @@ def test_two_tenants_writing_one_name_each_get_their_own_physical_index(
         ("PUT", f"/{BETA}~000001"),
         ("PUT", f"/{BETA}/_mapping"),
         ("PUT", "/_bulk"),
+        ("POST", f"/{BETA}/_delete_by_query"),
     ]
     assert server.requests[3].json() == {"aliases": {BETA: {}}}
     action, source = server.requests[5].ndjson()
@@ -448,6 +485,7 @@ def test_an_index_created_by_a_racing_worker_is_fine(server: FakeElasticsearchSe
     )
     server.on("PUT", f"/{ACME}/_mapping", Answer(200, {"acknowledged": True}))
     server.on("PUT", "/_bulk", bulk_ok)
+    on_other_ids(server)
     assert backend_for(server).upsert("docs", "acme", [Document("d1", "x")], None) == 1
     # the racing worker's index may be of an earlier template: the new fields are added
     assert server.sent("PUT", f"/{ACME}/_mapping")
@@ -1602,6 +1640,9 @@ def test_a_versioned_upsert_uses_external_versions_and_skips_a_newer_write(
     docs = [Document("d1", "one", revision="r"), Document("d2", "two", revision="r")]
     written = backend_for(server).upsert("docs", "acme", docs, None, version=7, model="m")
     assert written == 1  # d2's newer write (9) stays, and is no error
+    # d1's document under another _id goes, not d2's: the newer write took care of it
+    (other_ids,) = server.sent("POST", f"/{ACME}/_delete_by_query")
+    assert other_ids.json()["query"]["bool"]["should"][0] == {"terms": {"doc_id": ["d1"]}}
     actions = server.sent("PUT", "/_bulk")[0].ndjson()[0::2]
     assert actions == [
         {
@@ -1647,10 +1688,22 @@ def test_delete_documents_is_a_versioned_bulk_delete_of_the_tenants_ids(
             ),
         ),
     )
+    on_other_ids(server, deleted=1)  # "gone" under the _id its own tool gave it
+    server.on("POST", f"/{ACME}/_refresh", Answer(200, {"_shards": {"failed": 0}}))
     deleted = backend_for(server).delete_documents(
         "docs", "acme", ["d1", "gone", "d3", "d1"], version=12
     )
-    assert deleted == 1
+    assert deleted == 2
+    # the ids whose tombstone holds this delete's version, not d3's newer write (15)
+    (other_ids,) = server.sent("POST", f"/{ACME}/_delete_by_query")
+    query = other_ids.json()["query"]["bool"]
+    assert query["should"][0] == {"terms": {"doc_id": ["d1", "gone"]}}
+    assert query["must_not"] == [{"ids": {"values": ["acme:d1", "acme:gone"]}}]
+    # one deleted: refreshed, as the bulk's refresh asks, so no search finds it after the job
+    assert [(r.method, r.path) for r in server.requests][-2:] == [
+        ("POST", f"/{ACME}/_delete_by_query"),
+        ("POST", f"/{ACME}/_refresh"),
+    ]
     (bulk,) = server.sent("PUT", "/_bulk")
     assert bulk.ndjson() == [
         {
@@ -1668,6 +1721,23 @@ def test_delete_documents_is_a_versioned_bulk_delete_of_the_tenants_ids(
     (mark,) = server.sent("PUT", DELETES)
     assert mark.json() == {}
     assert mark.query == {"version": ["12"], "version_type": ["external"]}
+
+
+def test_a_document_under_another_id_changed_meanwhile_fails_the_write_retryably(
+    server: FakeElasticsearchServer,
+) -> None:
+    """The tool that wrote the index changed one of the tenant's documents of the ids
+    between the ``_delete_by_query``'s search and its delete (a version conflict): it is
+    still there, so the write fails retryably (BackendUnavailable) and its retry takes it."""
+    on_existing_index(server)
+    server.on("PUT", "/_bulk", bulk_ok)
+    server.on(
+        "POST",
+        f"/{ACME}/_delete_by_query",
+        Answer(200, delete_by_query_response(0, conflicts=1)),
+    )
+    with pytest.raises(BackendUnavailable, match=r"other _ids.*1 changed since it began"):
+        backend_for(server).upsert("docs", "acme", [Document("d1", "x")], None)
 
 
 def test_delete_documents_of_a_missing_index_creates_it_to_keep_the_tombstones(
@@ -1690,6 +1760,7 @@ def test_delete_documents_of_a_missing_index_creates_it_to_keep_the_tombstones(
     )
     server.on("GET", FLOOR, Answer(404, get_missing(FLOORS, ACME)))
     on_deletes_mark(server, 3)
+    on_other_ids(server)
     assert backend_for(server).delete_documents("docs", "acme", ["d1"], version=3) == 0
     assert [(r.method, r.path) for r in server.requests] == [
         ("GET", FLOOR),  # no drop of acme's "docs" ran: no floor
@@ -1700,6 +1771,7 @@ def test_delete_documents_of_a_missing_index_creates_it_to_keep_the_tombstones(
         ("PUT", f"/{FLOORS}"),
         ("PUT", DELETES),
         ("PUT", "/_bulk"),  # a delete writes nothing back: no floor read after it
+        ("POST", f"/{ACME}/_delete_by_query"),  # its tombstone holds: d1 under other _ids
     ]
 
 
@@ -2067,6 +2139,7 @@ def test_a_write_after_another_worker_dropped_the_index_makes_it_again(
     server.on("PUT", f"/{ACME}/_mapping", Answer(200, {"acknowledged": True}), times=1)
     server.on("PUT", "/_bulk", bulk_ok)
     server.on("GET", FLOOR, Answer(404, get_missing(FLOORS, ACME)))
+    on_other_ids(server)
     backend = backend_for(server)
     assert backend.upsert("docs", "acme", [Document("d1", "x")], None, version=4) == 1
     server.requests.clear()
@@ -2089,6 +2162,7 @@ def test_a_write_after_another_worker_dropped_the_index_makes_it_again(
         ("PUT", f"/{ACME}/_mapping"),
         ("PUT", "/_bulk"),
         ("GET", FLOOR),  # after the write: no drop of this version or newer ran meanwhile
+        ("POST", f"/{ACME}/_delete_by_query"),
     ]
     first, again = server.sent("PUT", "/_bulk")
     assert first.ndjson() == again.ndjson()  # the same actions, the same version
@@ -2526,6 +2600,7 @@ def test_a_write_of_vectors_checks_then_records_its_model_and_another_model_is_r
         ("PUT", f"/{ACME}/_mapping"),  # an index made before the fields existed takes them
         ("POST", f"/{ACME}/_search"),
         ("PUT", "/_bulk"),
+        ("POST", f"/{ACME}/_delete_by_query"),
     ]
     assert server.requests[1].json() == {
         "properties": {
@@ -2538,13 +2613,14 @@ def test_a_write_of_vectors_checks_then_records_its_model_and_another_model_is_r
     _action, source = server.requests[3].ndjson()
     assert source["embedding_model"] == "m-1" and source["vector"] == VECTOR
     assert backend.probe("docs", "acme") == IndexProbe(frozenset({"bm25", "knn"}), "m-1")
-    assert len(server.requests) == 4  # the probe answered from the write's memo
+    assert len(server.requests) == 5  # the probe answered from the write's memo
 
     # the next write checks again (another worker may have written), the mapping is known
     assert backend.upsert("docs", "acme", [Document("d2", "y")], [VECTOR], model="m-1") == 1
-    assert [(r.method, r.path) for r in server.requests[4:]] == [
+    assert [(r.method, r.path) for r in server.requests[5:]] == [
         ("POST", f"/{ACME}/_search"),
         ("PUT", "/_bulk"),
+        ("POST", f"/{ACME}/_delete_by_query"),
     ]
     # the tenant holds vectors of "m-0": refused before the bulk, nothing written
     held = probe_response(1, [{"embedding_model": "m-0"}])
@@ -2555,7 +2631,7 @@ def test_a_write_of_vectors_checks_then_records_its_model_and_another_model_is_r
     assert len(server.sent("PUT", "/_bulk")) == before
     # a write without vectors records and checks nothing
     assert backend.upsert("docs", "acme", [Document("d4", "w")], None, model="m-1") == 1
-    assert "embedding_model" not in server.requests[-1].ndjson()[1]
+    assert "embedding_model" not in server.sent("PUT", "/_bulk")[-1].ndjson()[1]
 
     # a drop takes the record (with the index) and this worker's memo of it
     on_searches(server, Answer(200, drop_counts(3, 0)))

@@ -20,6 +20,7 @@ from tests.integration.test_elasticsearch_stateful import (
     documents_under_their_own_ids_read_as_searched,
     finished_items_keep_what_the_search_finds,
     metadata_another_tool_wrote_shows_as_held,
+    writes_by_id_replace_what_another_tool_wrote,
 )
 from tests.services import purge, purged
 from worker.adapters.elasticsearch import ElasticsearchBackend
@@ -228,5 +229,17 @@ def test_metadata_another_tool_wrote_shows_as_held_in_hits_reads_and_listings(
     backend = live_backend()
     try:
         metadata_another_tool_wrote_shows_as_held(backend, index)
+    finally:
+        delete_every_tenants(backend, index)
+
+
+@skip_without_a_cluster
+def test_writes_by_id_replace_and_take_down_what_another_tool_wrote_under_its_own_id(
+    index: str,
+) -> None:
+    """:func:`writes_by_id_replace_what_another_tool_wrote` on the cluster."""
+    backend = live_backend()
+    try:
+        writes_by_id_replace_what_another_tool_wrote(backend, index)
     finally:
         delete_every_tenants(backend, index)

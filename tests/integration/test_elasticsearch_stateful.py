@@ -1242,6 +1242,87 @@ def test_metadata_another_tool_wrote_shows_as_held_in_hits_reads_and_listings(
     metadata_another_tool_wrote_shows_as_held(backend_on(fake[0]), "docs")
 
 
+def writes_by_id_replace_what_another_tool_wrote(backend: ElasticsearchBackend, index: str) -> None:
+    """An index that already exists, aliased for the tenant (deploy/README.md §4), holds
+    documents under its own tool's ``_id``s. An upsert of such an id replaces that document
+    (a search, a read and the listing show the new one, once); a delete by id, of one id or
+    several, takes it down and counts it; a delete's version still wins over an older
+    upsert of the id run after it; another tenant's document of the same id stays, and a
+    drop takes what the tool wrote too. (Shared with the live suite.)"""
+    alias = backend.alias(index, "acme")
+    concrete = f"{alias}-theirs"  # the operator's own index, not one Sift made
+    template = index_template(backend.prefix, backend.fields, backend.index_settings)
+    mappings = {k: v for k, v in template["template"]["mappings"].items() if k != "_meta"}
+    es = backend._client
+    es.indices.create(index=concrete, aliases={alias: {}}, mappings=mappings)
+    theirs = {
+        "cat-1": shared_doc("acme", "cat-1", "alpha cat old"),
+        "cat-2": shared_doc("acme", "cat-2", "alpha cat two"),
+        "cat-4": shared_doc("acme", "cat-4", "alpha cat four"),
+        "raw-3": {k: v for k, v in shared_doc("acme", "_", "alpha raw").items() if k != "doc_id"},
+        "beta-cat-1": shared_doc("beta", "cat-1", "alpha beta's cat"),
+    }
+    for es_id, source in theirs.items():
+        es.index(index=alias, id=es_id, document=source, refresh="wait_for")
+
+    def searched() -> dict[str, str]:
+        hits = TestStatefulElasticsearchContract().search(backend, index, "acme", "alpha cat raw")
+        found = [(h.document.id, h.document.text) for h in hits.hits["bm25"]]
+        assert len(found) == len(dict(found)), found  # no id twice
+        return dict(found)
+
+    new = Document("cat-1", "alpha cat new")
+    assert backend.upsert(index, "acme", [new], vectors_of([new]), version=2) == 1
+    assert searched() == {
+        "cat-1": "alpha cat new",
+        "cat-2": "alpha cat two",
+        "cat-4": "alpha cat four",
+        "raw-3": "alpha raw",
+    }
+    got = backend.document(index, "acme", "cat-1")
+    assert got is not None and got.text == "alpha cat new"
+    listed = backend.documents(index, "acme", None, 10) or []
+    assert [d.id for d in listed] == ["cat-1", "cat-2", "cat-4"]
+    assert backend.delete_documents(index, "acme", ["cat-2"], version=3) == 1
+    assert backend.delete_documents(index, "acme", ["raw-3", "cat-1", "never"], version=4) == 2
+    assert searched() == {"cat-4": "alpha cat four"}
+    assert backend.stored_documents(index, "acme", ["cat-1", "cat-2", "raw-3"]) == {}
+    older = Document("cat-2", "alpha cat two again")  # accepted before the delete, run after
+    assert backend.upsert(index, "acme", [older], vectors_of([older]), version=2) == 0
+    assert backend.document(index, "acme", "cat-2") is None
+    assert es.get(index=concrete, id="beta-cat-1")["_source"]["tenant"] == "beta"
+    assert backend.delete_index(index, "acme", version=5) == 1
+    assert backend.document(index, "acme", "cat-4") is None
+    assert es.get(index=concrete, id="beta-cat-1")["_source"]["tenant"] == "beta"
+
+
+def test_writes_by_id_replace_and_take_down_what_another_tool_wrote_under_its_own_id(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """:func:`writes_by_id_replace_what_another_tool_wrote` on the stand-in."""
+    writes_by_id_replace_what_another_tool_wrote(backend_on(fake[0]), "docs")
+
+
+def test_a_write_by_id_in_an_index_a_reindex_copied_from_another_tools_replaces_its_id(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """A reindex of an alias over an index another tool wrote copies each document under
+    its ``_id``: the index Sift made (named as Sift names its indexes) holds the tool's
+    ``_id``s too, and an upsert and a delete by id there replace and take down the tool's
+    document as in the tool's own index."""
+    server, state = fake
+    backend = backend_on(server)
+    alias = backend.alias("docs", "acme")
+    make_index(server, alias, "catalogue", {"cat-1": shared_doc("acme", "cat-1", "alpha old")})
+    new = backend.reindex("docs", "acme", delete_old=True)
+    assert state.concrete(alias) == [new] and state.live_ids(new) == {"cat-1"}
+    fresh = Document("cat-1", "alpha new")
+    assert backend.upsert("docs", "acme", [fresh], vectors_of([fresh]), version=2) == 1
+    assert state.live_ids(new) == {document_es_id("acme", "cat-1")}
+    assert backend.delete_documents("docs", "acme", ["cat-1"], version=3) == 1
+    assert state.live_ids(new) == set()
+
+
 def test_the_stand_in_lists_running_tasks_as_es_does(
     fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
 ) -> None:

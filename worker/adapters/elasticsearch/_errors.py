@@ -9,7 +9,7 @@ import logging
 import re
 import socket
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from elasticsearch import (
@@ -48,11 +48,15 @@ class _AliasGone(Exception):
 
 @dataclass(slots=True)
 class _Bulked:
-    """What one bulk call did: actions applied, documents found, ``_id`` of each applied."""
+    """What one bulk call did: actions applied, documents found, ``_id`` of each applied;
+    and the concrete index each ``_id`` whose version ES now holds went to (``landed``: an
+    action applied, a delete that found nothing included, or one an earlier attempt of the
+    same write applied)."""
 
     applied: int
     existed: int
     written: list[str]
+    landed: dict[str, str] = field(default_factory=dict)
 
 
 class _Missing:

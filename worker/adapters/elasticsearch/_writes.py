@@ -6,6 +6,7 @@ drop run between its floor check and its bulk."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -21,6 +22,7 @@ from worker.adapters.elasticsearch._errors import (
     _raise_if_partial,
     _scrubbed,
     _translated,
+    _unavailable,
 )
 from worker.adapters.elasticsearch._indexes import _Indexes
 from worker.adapters.elasticsearch._layout import document_es_id
@@ -64,7 +66,8 @@ class _Writes(_Search, _Indexes):
         error. The version also goes in each document's ``_source``
         (``SIFT_ELASTICSEARCH_WRITE_VERSION_FIELD``), where a drop's query can read it (ES
         searches no ``_version``). ``model`` goes on each document with a vector
-        (``SIFT_ELASTICSEARCH_MODEL_FIELD``)."""
+        (``SIFT_ELASTICSEARCH_MODEL_FIELD``). Then the tenant's documents of those ids under
+        another ``_id`` go (:meth:`_replace_foreign`): the upsert replaces them."""
         if vectors is not None and len(vectors) != len(documents):
             raise InvalidRequest(
                 "vectors", f"{len(vectors)} vectors for {len(documents)} documents"
@@ -99,6 +102,7 @@ class _Writes(_Search, _Indexes):
         # write (a retry after a take-back cut short) may have left documents in
         if self._take_back(index, tenant, names, version, what) or outcome is None:
             return 0
+        self._replace_foreign(index, tenant, outcome, names, what)
         written = outcome.applied
         if vectors is not None and written:
             self._saw_vectors(alias, tenant, recorded)
@@ -302,6 +306,9 @@ class _Writes(_Search, _Indexes):
                         leftover="" if cleared else alias,
                         reason=f"a delete made the bare index {alias!r}",
                     )
+                own = status == 409 and _holds_own_version(op)  # an earlier attempt's
+                if ok or own or (status == 404 and op.get("result") == "not_found"):
+                    bulked.landed[str(op.get("_id"))] = str(op.get("_index"))
                 if ok:
                     bulked.applied += 1
                     bulked.existed += op.get("result") in ("deleted", "updated")
@@ -353,7 +360,8 @@ class _Writes(_Search, _Indexes):
         upsert it was accepted after. A versioned delete not below the floor records its
         version for the alias before its bulk (:meth:`DropFloors.raise_delete`): a drop
         accepted before it and run after it then keeps the index, and with it the
-        tombstones."""
+        tombstones. Then the tenant's documents of those ids under another ``_id`` go too
+        (:meth:`_replace_foreign`), counted with the rest."""
         alias = self.alias(index, tenant)
         names = {document_es_id(tenant, i): i for i in ids}
         actions = [
@@ -371,9 +379,64 @@ class _Writes(_Search, _Indexes):
                 self._floors.raise_delete(alias, version, what, index)
 
         bulked = self._write(index, tenant, actions, names, what, version, prepare=prepare)
-        if bulked is not None and bulked.existed:  # maybe its last vectors: probe again
+        if bulked is None:
+            return 0
+        existed = bulked.existed + self._replace_foreign(index, tenant, bulked, names, what)
+        if existed:  # maybe its last vectors: probe again
             self._with_vectors.pop((alias, tenant), None)
-        return 0 if bulked is None else bulked.existed
+        return existed
+
+    def _replace_foreign(
+        self, index: str, tenant: str, bulked: _Bulked, names: Mapping[str, str], what: str
+    ) -> int:
+        """Delete the tenant's documents of the ids a write by id has just written or deleted
+        (``bulked.landed``) that sit under an ``_id`` other than Sift's; how many went.
+
+        An index that already exists, aliased for the tenant (deploy/README.md §4), holds
+        its own tool's ``_id``s (and so does an index Sift copied from one: a reindex
+        keeps each ``_id``), and a search finds such a document by its id field, or by its
+        ``_id`` where it has none (:meth:`_hit`): an upsert under Sift's ``_id`` would sit
+        beside it, and a delete would leave it. So one ``_delete_by_query`` on the alias
+        takes the tenant's documents of those ids, by the id field or by an ``_id`` without
+        it, never under Sift's own ``_id``; in an index holding none (every index Sift
+        wrote) it deletes nothing. It sees what the last refresh holds, as a search does,
+        and the index is refreshed after it (as the bulk's ``refresh`` asks) only when it
+        deleted one. Only ids whose Sift ``_id`` holds this write's version are taken: an
+        older write run after a newer one (409) leaves what the newer one left, so a delete
+        accepted after an upsert still wins. Conflicts (the tool wrote one meanwhile) or
+        failures fail the write retryably: its retry, idempotent, takes what is left."""
+        ids = sorted({names[_id] for _id in bulked.landed if _id in names})
+        if not ids:
+            return 0
+        alias = self.alias(index, tenant)
+        field = self.fields.id
+        untagged = {"ids": {"values": ids}}
+        query = self.tenant_query(tenant)
+        query["bool"]["should"] = [
+            {"terms": {field: ids}},
+            {"bool": {"filter": [untagged], "must_not": [{"exists": {"field": field}}]}},
+        ]
+        query["bool"]["minimum_should_match"] = 1
+        sifts = [document_es_id(tenant, i) for i in ids]
+        query["bool"]["must_not"] = [{"ids": {"values": sifts}}]
+        doing = f"{what} (the documents of its ids under other _ids)"
+        with _translated(doing, index, missing_ok=True) as missing:
+            es = self._es()
+            report = es.delete_by_query(index=alias, query=query, conflicts="proceed").body
+            deleted = int(report.get("deleted", 0))
+            if deleted and self.refresh:
+                es.indices.refresh(index=alias)
+        if missing:  # dropped meanwhile: the drop took them
+            return 0
+        conflicts = int(report.get("version_conflicts", 0))
+        failures = report.get("failures") or []
+        if conflicts or failures:
+            raise _unavailable(
+                f"{doing}: deleted {deleted} and left some ({conflicts} changed since it "
+                f"began, {len(failures)} failure(s)): run again",
+                json.dumps(failures[:1]),
+            )
+        return deleted
 
 
 def _versioned(version: int | None) -> dict[str, Any]:
