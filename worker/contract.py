@@ -45,9 +45,9 @@ Channel = Literal["bm25", "knn"]
 FusionMethod = Literal["rrf", "linear"]
 FilterValue = str | int | float | bool
 #: A metadata value as a hit, a document read or a listing shows it: any JSON value. Sift
-#: writes only :data:`FilterValue`\ s (:class:`DocumentIn`); an index that already exists
-#: (deploy/README.md §4) holds what its own tool wrote, lists, objects and nulls included
-#: (its ``flattened`` metadata field takes them), and shows it as it holds it.
+#: writes only plain values (:data:`FilterValue`, :class:`DocumentIn`); an index that
+#: already exists (deploy/README.md §4) holds what its own tool wrote, lists, objects and
+#: nulls included (its ``flattened`` metadata field takes them), and shows it as it holds it.
 StoredValue = JsonValue
 #: What the API says of a shown document's metadata (a hit's, a read's, a listing's).
 STORED_METADATA_DOC = (

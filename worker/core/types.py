@@ -19,8 +19,8 @@ class Document:
     text: str
     title: str = ""
     revision: str = "1"
-    #: what Sift writes holds :data:`~worker.contract.FilterValue`\ s; a document read from
-    #: an index another tool wrote, any JSON value
+    #: what Sift writes holds plain values (:data:`~worker.contract.FilterValue`); a
+    #: document read from an index another tool wrote, any JSON value
     metadata: Mapping[str, StoredValue] = field(default_factory=dict)
 
 
