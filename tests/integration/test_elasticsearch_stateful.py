@@ -1168,11 +1168,18 @@ def documents_under_their_own_ids_read_as_searched(
         "cat-1": {**shared_doc("acme", "cat-1", "alpha catalogue one"), "metadata": {"y": 1}},
         "cat-2": shared_doc("beta", "cat-2", "alpha catalogue two"),
         "raw-3": {k: v for k, v in shared_doc("acme", "_", "alpha raw").items() if k != "doc_id"},
+        # an _id with a colon, no id field: its id is the whole _id, not what follows ":"
+        "ns:raw-4": {k: v for k, v in shared_doc("acme", "_", "alpha ns").items() if k != "doc_id"},
     }
     for es_id, source in theirs.items():
         backend._client.index(
             index=backend.alias(index, "acme"), id=es_id, document=source, refresh="wait_for"
         )
+    hits = TestStatefulElasticsearchContract().search(backend, index, "acme", "alpha").hits
+    assert {h.document.id for h in hits["bm25"]} == {"sift-1", "cat-1", "raw-3", "ns:raw-4"}
+    got = backend.document(index, "acme", "ns:raw-4")
+    assert got is not None and got.text == "alpha ns", got
+    assert backend.delete_documents(index, "acme", ["ns:raw-4"], version=3) == 1
     hits = TestStatefulElasticsearchContract().search(backend, index, "acme", "alpha").hits
     assert {h.document.id for h in hits["bm25"]} == {"sift-1", "cat-1", "raw-3"}
     listed = backend.documents(index, "acme", None, 10) or []

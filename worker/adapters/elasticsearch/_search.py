@@ -228,9 +228,9 @@ class _Search(_Bodies):
         source = raw.get("_source") or {}
         fields = self.fields
         doc_id = source.get(fields.id)
-        if doc_id is None:  # an operator's index without the id field: the _id is the id
-            # (Sift always writes the field: its hashed ``_id``s never come here)
-            doc_id = str(raw["_id"]).split(":", 1)[-1]
+        if doc_id is None:  # an operator's index without the id field: the _id is the id,
+            # whole (Sift always writes the field: its ``<tenant>:`` ``_id``s never come here)
+            doc_id = str(raw["_id"])
         metadata = source.get(fields.metadata) or {}
         title = source.get(fields.title, "") if fields.title else ""
         text = source.get(fields.text, "")
