@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import http.client
 import itertools
 import os
@@ -500,18 +501,20 @@ def gateway_service(
     port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     command = sift_command("gateway", "--host", "127.0.0.1", "--port", str(port))
-
-    def ready() -> bool:
-        # a plain HTTP request on loopback: an httpx client reads the CA bundle as it is made,
-        # about 20 ms of CPU, and this is asked every 50 ms while the gateway starts
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
-        try:
-            connection.request("GET", "/readyz")
-            return connection.getresponse().status == 200
-        finally:
-            connection.close()
-
+    ready = functools.partial(gateway_ready, port)
     return Service(name, command, directory / f"{name}.log", env, ready=ready, port=port), url
+
+
+def gateway_ready(port: int) -> bool:
+    """The gateway on loopback ``port`` answers ``/readyz`` 200 within a second. A plain HTTP
+    request: an httpx client reads the CA bundle as it is made, about 20 ms of CPU, and this
+    is asked every 50 ms while a gateway starts."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
+    try:
+        connection.request("GET", "/readyz")
+        return connection.getresponse().status == 200
+    finally:
+        connection.close()
 
 
 @dataclass
