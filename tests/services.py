@@ -26,6 +26,7 @@ from worker.processes.stack import (
     child_env,
     free_port,
     gateway_process,
+    gateway_ready,
     redis_server,
     sift_command,
     stop,
@@ -108,8 +109,6 @@ def killable_gateway(
 ) -> Iterator[tuple[Popen[bytes], str]]:
     """``sift gateway`` as :func:`gateway` starts it (on ``port``, or a free one), with its
     process, for a test to kill; SIGKILLed when the block ends if it still runs."""
-    import httpx
-
     port = port or free_port()
     log = tmp / f"{name}.log"
     with open(log, "wb") as out:
@@ -119,9 +118,7 @@ def killable_gateway(
         )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(
-            lambda: httpx.get(url + "/readyz", timeout=1).status_code == 200, name, proc, log
-        )
+        wait_until(lambda: gateway_ready(port), name, proc, log)
         yield proc, url
     finally:
         if proc.poll() is None:
