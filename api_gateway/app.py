@@ -19,20 +19,14 @@ from contextlib import asynccontextmanager
 
 import redis
 import redis.asyncio
-from fastapi import Depends, FastAPI
+from fastapi import APIRouter, FastAPI
 
 from api_gateway.auth import KeyRing
 from api_gateway.backpressure import Backlog, StoreMemory, with_results_owed
 from api_gateway.bodies import document_bodies
-from api_gateway.checks import (
-    body_as_read,
-    checked_headers,
-    not_starting,
-    path_is_utf8,
-    query_parameters,
-)
+from api_gateway.checks import EVERY_ROUTE
 from api_gateway.docs import install_docs
-from api_gateway.errors import install_error_handlers, no_route_short_of_a_line_break
+from api_gateway.errors import install_error_handlers
 from api_gateway.indexes import router as indexes_router
 from api_gateway.jobs import router, stop_retakes
 from api_gateway.listing import router as listing_router
@@ -185,8 +179,9 @@ def create_app(
         # a path with a slash too many is a 404 naming it, not an empty 307 to the path
         # without it (which a client following redirects sent a DELETE on to)
         redirect_slashes=False,
-        # a path with a last line break reached the route without it: a 404 instead
-        dependencies=[Depends(no_route_short_of_a_line_break)],
+        # a path with a last line break reached the route without it: a 404 instead (the
+        # routers' routes have it among their own, api_gateway.checks)
+        dependencies=EVERY_ROUTE,
     )
     app.router.route_class = GetAnswersHead  # the routers' own are too: HEAD wherever GET
     preregister(queues=ALL_QUEUES)
@@ -195,27 +190,25 @@ def create_app(
     app.state.keyring = keyring
     app.state.metrics = metrics
     install_error_handlers(app)
-    # each after the key check: a gateway still starting is a 503; a path parameter's
-    # percent-escapes that are no UTF-8 are a 422 naming it, an unknown or repeated query
-    # parameter too, and so is a repeated Idempotency-Key or one on a POST or PATCH that does
-    # not honour it; a body not JSON is a 400, and one that gives a member twice a 422
-    checked = [
-        Depends(not_starting),
-        Depends(path_is_utf8),
-        Depends(query_parameters),
-        Depends(checked_headers),
-        Depends(body_as_read),
-    ]
-    app.include_router(router, dependencies=checked)
-    app.include_router(listing_router, dependencies=checked)
-    app.include_router(indexes_router, dependencies=checked)
+    # the /v1 routes, each with the request checks (api_gateway.checks.V1_ROUTE)
+    for routes in (router, listing_router, indexes_router):
+        add_routes(app, routes)
     document_bodies(app)
     install_docs(app)
-    app.include_router(ops_router)  # /healthz, /readyz, /metrics: no request checks
+    add_routes(app, ops_router)  # /healthz, /readyz, /metrics: no request checks
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes, keyring=keyring)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     metrics.preregister((router, listing_router, indexes_router, ops_router))
     return app
+
+
+def add_routes(app: FastAPI, router: APIRouter) -> None:
+    """``router``'s routes onto ``app`` as they were built, each with its dependencies (its
+    router's: :data:`~api_gateway.checks.V1_ROUTE` or
+    :data:`~api_gateway.checks.EVERY_ROUTE`, the app's own among them). FastAPI's
+    ``include_router`` builds every route included a second time, for the app, at its first
+    request: about 60 ms of CPU in each gateway process, and in each app a test builds."""
+    app.router.routes.extend(router.routes)
 
 
 def serve(start_checks: Callable[[], bool] | None = None) -> FastAPI:

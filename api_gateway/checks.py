@@ -8,12 +8,18 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from fastapi import Request
+from fastapi import Depends, Request
 from fastapi.dependencies.models import Dependant
+from fastapi.params import Depends as Dependency
 from fastapi.routing import APIRoute
 
 from api_gateway.deps import Tenant
-from api_gateway.errors import UNAVAILABLE_RETRY_AFTER, UNAVAILABLE_RETRY_AFTER_SECONDS, ApiError
+from api_gateway.errors import (
+    UNAVAILABLE_RETRY_AFTER,
+    UNAVAILABLE_RETRY_AFTER_SECONDS,
+    ApiError,
+    no_route_short_of_a_line_break,
+)
 from api_gateway.paths import decode_segments
 from api_gateway.routing import BODY_PROBLEM
 from worker.constants import ERROR_STARTING
@@ -137,3 +143,21 @@ def checked_headers(request: Request, _tenant: Tenant) -> None:
             f"is not taken by {request.method} {route.path}, which runs each time it is sent: "
             f"only {KEYED_ROUTES} replay a request by its key; send this one without it",
         )
+
+
+#: The dependencies of every route of the app, the probes' and ``/metrics`` too: a path its
+#: route matched short of a last line break is a ``404``
+EVERY_ROUTE: list[Dependency] = [Depends(no_route_short_of_a_line_break)]
+#: The dependencies of every ``/v1`` route (their routers'), each after the key check: a
+#: gateway still starting is a 503; a path parameter's percent-escapes that are no UTF-8 are
+#: a 422 naming it, an unknown or repeated query parameter too, and so is a repeated
+#: Idempotency-Key or one on a POST or PATCH that does not honour it; a body not JSON is a
+#: 400, and one that gives a member twice a 422
+V1_ROUTE: list[Dependency] = [
+    *EVERY_ROUTE,
+    Depends(not_starting),
+    Depends(path_is_utf8),
+    Depends(query_parameters),
+    Depends(checked_headers),
+    Depends(body_as_read),
+]

@@ -24,6 +24,7 @@ from fastapi import APIRouter, Path, Query, Request, Response
 from pydantic import BaseModel, Field
 from starlette.convertors import Convertor, register_url_convertor
 
+from api_gateway.checks import V1_ROUTE
 from api_gateway.deps import (
     ERRORS,
     LOCATION_HEADER,
@@ -72,7 +73,9 @@ from worker.errors import InvalidRequest
 from worker.redis_client import CANNOT_PERSIST
 
 log = logging.getLogger(__name__)
-router = APIRouter(prefix="/v1", tags=["indexes"], route_class=GetAnswersHead)
+router = APIRouter(
+    prefix="/v1", tags=["indexes"], route_class=GetAnswersHead, dependencies=V1_ROUTE
+)
 
 
 class DocIdConvertor(Convertor[str]):

@@ -18,6 +18,7 @@ from typing import Annotated, TypeVar
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel
 
+from api_gateway.checks import V1_ROUTE
 from api_gateway.deps import (
     ERRORS,
     PageSize,
@@ -43,7 +44,7 @@ from worker.errors import InvalidRequest
 from worker.queue.jobstore import BatchJob, Cursor, IngestJob, JobPage, SearchJob
 from worker.queue.jobstore.jobindex import KIND_BATCH, KIND_INGEST, KIND_SEARCH
 
-router = APIRouter(prefix="/v1", route_class=GetAnswersHead)
+router = APIRouter(prefix="/v1", route_class=GetAnswersHead, dependencies=V1_ROUTE)
 
 _TIME = re.compile(r"[0-9]{1,12}(\.[0-9]{1,20})?")  # a creation time, as repr() writes it
 # the longest id: its prefix and 32 hex digits

@@ -12,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from api_gateway.auth import require_metrics_token
+from api_gateway.checks import EVERY_ROUTE
 from api_gateway.errors import (
     UNAVAILABLE_RETRY_AFTER,
     ErrorBody,
@@ -37,7 +38,7 @@ from worker.settings import Settings
 
 log = logging.getLogger(__name__)
 
-router = APIRouter(route_class=GetAnswersHead)
+router = APIRouter(route_class=GetAnswersHead, dependencies=EVERY_ROUTE)
 
 # Any failure of Redis, and a socket's own OSError: a probe answers "unavailable" and a scrape
 # marks the store's gauges unread, whatever went wrong. Wider than deps.STORE_AWAY (a

@@ -30,6 +30,7 @@ from api_gateway.backpressure import (
     results_bytes,
     trace_candidate_bytes,
 )
+from api_gateway.checks import V1_ROUTE
 from api_gateway.deps import (
     app_settings,
     async_job_store,
@@ -72,7 +73,7 @@ from worker.webhooks.urlguard import (
 
 log = logging.getLogger(__package__)  # api_gateway.jobs: one logger for the job routes
 
-router = APIRouter(prefix="/v1", route_class=GetAnswersHead)
+router = APIRouter(prefix="/v1", route_class=GetAnswersHead, dependencies=V1_ROUTE)
 T = TypeVar("T")
 # a job's id in its path, named ``id`` as in DESIGN.md §9 (its OpenAPI name, and the field
 # a 422 or 404 names), as the document routes' is
