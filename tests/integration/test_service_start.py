@@ -29,6 +29,7 @@ from typer.testing import CliRunner
 from tests import redis6
 from tests.keys import ACME, ACME_KEY
 from tests.redis6 import proxy_saying_version_6
+from tests.services import http_get
 from worker.cli import app
 from worker.processes.stack import (
     Service,
@@ -235,7 +236,7 @@ def test_it_waits_for_a_redis_not_up_yet(tmp_path: Path, kind: str) -> None:
         wait_until(lambda: waiting in log.read_bytes(), kind, proc, log)
         if kind == "gateway":
             url = f"http://127.0.0.1:{service.port}"
-            live = lambda: httpx.get(url + "/healthz", timeout=1).status_code == 200  # noqa: E731
+            live = lambda: http_get(url + "/healthz", timeout=1).status_code == 200  # noqa: E731
             wait_until(live, "its /healthz", proc, log)  # uvicorn binds once its app is up
             ready = httpx.get(url + "/readyz", timeout=10)
             assert ready.status_code == 503, ready.text
@@ -272,7 +273,7 @@ def test_a_starting_gateway_says_it_stored_nothing(
     monkeypatch.setattr("worker.cli._http.IDEMPOTENCY_PENDING_TTL_SECONDS", 1.5)
     cli_env = {"SIFT_URL": url, "SIFT_API_KEY": ACME_KEY["key"], "COLUMNS": "200"}
     try:
-        live = lambda: httpx.get(url + "/healthz", timeout=1).status_code == 200  # noqa: E731
+        live = lambda: http_get(url + "/healthz", timeout=1).status_code == 200  # noqa: E731
         wait_until(live, "its /healthz", proc, log)
         asked = httpx.post(url + "/v1/indexes/demo/documents/delete", json={"ids": ["d1"]},
                            headers=ACME, timeout=10)  # fmt: skip

@@ -34,7 +34,7 @@ from tests.reliability.support import (
     submit_batch,
     wait_for,
 )
-from tests.services import free_port, gateway, redis_server
+from tests.services import free_port, gateway, http_get, redis_server
 from worker.processes.stack import child_env, worker_process
 
 pytestmark = pytest.mark.integration
@@ -167,7 +167,7 @@ def test_two_cancels_at_once_cancel_each_item_once_and_agree(
         worker(tmp_path / "w", env, "w", port),
     ):
         metrics = f"http://127.0.0.1:{port}/metrics"
-        wait_for(lambda: httpx.get(metrics, timeout=10).is_success, "worker metrics", 60)
+        wait_for(lambda: http_get(metrics, timeout=10).is_success, "worker metrics", 60)
         made = client.post("/v1/batches", json=body, headers=keyed)
         assert made.status_code == 202, made.text
         batch_id = made.json()["id"]

@@ -41,7 +41,7 @@ from tests.reliability.support import (
     submit_search,
     wait_for,
 )
-from tests.services import celery_worker, free_port, gateway, redis_server
+from tests.services import celery_worker, free_port, gateway, http_get, redis_server
 from worker.clock import server_seconds
 from worker.constants import (
     DELIVERY_OWNERS_KEY,
@@ -247,7 +247,7 @@ def _skew_warnings(log: str) -> list[float]:
 
 
 def _gauge(url: str, name: str) -> float | None:
-    for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+    for family in text_string_to_metric_families(http_get(url, timeout=10).text):
         for sample in family.samples:
             if sample.name == name:
                 return float(sample.value)

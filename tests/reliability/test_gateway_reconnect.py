@@ -32,7 +32,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.reliability.support import ACME, INDEX, KEYS, wait_for
-from tests.services import free_port, gateway, redis_server
+from tests.services import free_port, gateway, http_get, redis_server
 from worker.constants import METRIC_JOBS_IN_FLIGHT, METRIC_QUEUE_BACKLOG, SEARCH_QUEUE
 from worker.processes.stack import child_env, gateway_service, running
 from worker.settings import Settings
@@ -282,7 +282,7 @@ def test_a_database_redis_does_not_have_is_a_503_naming_the_url(tmp_path: Path) 
     try:
         env = {"SIFT_REDIS_URL": server.url + "/99", "SIFT_API_KEYS": json.dumps(KEYS)}
         service, base = gateway_service(tmp_path / "g", child_env(env, inherit_sift=False))
-        up = lambda: httpx.get(base + "/healthz", timeout=1).status_code == 200  # noqa: E731
+        up = lambda: http_get(base + "/healthz", timeout=1).status_code == 200  # noqa: E731
         service.ready = up  # never ready: live is enough
         with running(service), httpx.Client(base_url=base, timeout=30) as client:
             ready = client.get("/readyz")

@@ -43,7 +43,7 @@ from tests.reliability.support import (
     submit_batch,
     wait_for,
 )
-from tests.services import celery_worker, free_port, gateway, redis_server
+from tests.services import celery_worker, free_port, gateway, http_get, redis_server
 from worker.constants import BATCH_ITEMS_KEY, SEARCH_KEY, WEBHOOK_QUEUE, WEBHOOK_TASK
 from worker.processes.stack import child_env, gateway_service, running
 from worker.queue.config import celery_config
@@ -358,7 +358,7 @@ def test_a_cancel_count_take_whose_reply_is_lost_while_redis_stays_down_is_count
 
 def _cancels_counted(base_url: str) -> float:
     """The gateway's ``sift_http_requests_total`` of ``DELETE /v1/batches/{id}``."""
-    families = text_string_to_metric_families(httpx.get(base_url + "/metrics", timeout=10).text)
+    families = text_string_to_metric_families(http_get(base_url + "/metrics", timeout=10).text)
     return sum(
         sample.value
         for family in families

@@ -22,7 +22,7 @@ import pytest
 
 from tests.reliability.support import wait_for
 from tests.reliability.test_sift_up import UP_TIMEOUT, Stack, _env, _worker_pid
-from tests.services import free_port
+from tests.services import free_port, http_get
 from worker.processes.stack import stop
 
 pytestmark = pytest.mark.integration
@@ -75,7 +75,7 @@ def test_the_worker_and_the_gateway_keep_their_metrics_apart(tmp_path: Path) -> 
         os.kill(_worker_pid(stack), signal.SIGKILL)
         wait_for(lambda: "worker restarted" in stack.printed(), "sift up restarted it", 60)
         wait_for(
-            lambda: httpx.get(worker_metrics, timeout=10).status_code == 200,
+            lambda: http_get(worker_metrics, timeout=10).status_code == 200,
             "the new worker serves /metrics",
             UP_TIMEOUT,
         )

@@ -42,6 +42,7 @@ from tests.services import (
     celery_worker,
     free_port,
     gateway,
+    http_get,
     redis_server,
     webhook_inbox,
 )
@@ -85,7 +86,7 @@ def _arrives(inbox: queue.Queue[Received], seconds: float, what: str) -> Receive
 
 def _deferrals(metrics_url: str) -> float:
     """The worker's ``sift_webhook_deferrals_total``, every event type."""
-    text = httpx.get(metrics_url, timeout=10).text
+    text = http_get(metrics_url, timeout=10).text
     return sum(
         sample.value
         for family in text_string_to_metric_families(text)

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import GLOBEX, KEYS, Stack, ingest
 from tests.prometheus_support import wait_until
-from tests.services import gateway
+from tests.services import gateway, http_get
 from worker.constants import METRIC_JOB_FAILURES
 
 METRICS_TOKEN = "metrics-token-0123456789abcdef"
@@ -29,7 +29,7 @@ QUERY = "marmalade xylophone quorum 48213"
 
 def index_not_found_failures(stack: Stack) -> float:
     """The live worker's ``sift_job_failures_total{kind="search",error="index_not_found"}``."""
-    text = httpx.get(stack.worker_metrics_url, timeout=10).text
+    text = http_get(stack.worker_metrics_url, timeout=10).text
     wanted = {"kind": "search", "error": "index_not_found"}
     return sum(
         sample.value
