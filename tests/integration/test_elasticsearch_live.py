@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -58,6 +58,16 @@ def delete_every_tenants(backend: ElasticsearchBackend, index: str) -> None:
     found = es.indices.get(index=f"{PREFIX}*--{index}*", expand_wildcards="all").body
     if found:
         es.options(ignore_status=404).indices.delete(index=",".join(found))
+
+
+def on_the_cluster(check: Callable[[ElasticsearchBackend, str], None], index: str) -> None:
+    """``check`` (a test shared with the stand-in's suite) on a live backend, every tenant's
+    indexes of ``index`` deleted after it."""
+    backend = live_backend()
+    try:
+        check(backend, index)
+    finally:
+        delete_every_tenants(backend, index)
 
 
 skip_without_a_cluster = pytest.mark.skipif(
@@ -201,11 +211,7 @@ def test_a_purge_deletes_the_tenants_index_and_only_its_documents_from_a_shared_
 def test_an_economy_item_keeps_a_document_without_tokens_its_search_finds(index: str) -> None:
     """:func:`finished_items_keep_what_the_search_finds` on the cluster: its ``flattened``
     field and its typed tokens, not the stand-in's."""
-    backend = live_backend()
-    try:
-        finished_items_keep_what_the_search_finds(backend, index)
-    finally:
-        delete_every_tenants(backend, index)
+    on_the_cluster(finished_items_keep_what_the_search_finds, index)
 
 
 @skip_without_a_cluster
@@ -213,11 +219,7 @@ def test_a_document_another_tool_wrote_under_its_own_id_reads_as_it_is_searched(
     index: str,
 ) -> None:
     """:func:`documents_under_their_own_ids_read_as_searched` on the cluster."""
-    backend = live_backend()
-    try:
-        documents_under_their_own_ids_read_as_searched(backend, index)
-    finally:
-        delete_every_tenants(backend, index)
+    on_the_cluster(documents_under_their_own_ids_read_as_searched, index)
 
 
 @skip_without_a_cluster
@@ -226,11 +228,7 @@ def test_metadata_another_tool_wrote_shows_as_held_in_hits_reads_and_listings(
 ) -> None:
     """:func:`metadata_another_tool_wrote_shows_as_held` on the cluster: its ``flattened``
     field, not the stand-in's."""
-    backend = live_backend()
-    try:
-        metadata_another_tool_wrote_shows_as_held(backend, index)
-    finally:
-        delete_every_tenants(backend, index)
+    on_the_cluster(metadata_another_tool_wrote_shows_as_held, index)
 
 
 @skip_without_a_cluster
@@ -238,8 +236,4 @@ def test_writes_by_id_replace_and_take_down_what_another_tool_wrote_under_its_ow
     index: str,
 ) -> None:
     """:func:`writes_by_id_replace_what_another_tool_wrote` on the cluster."""
-    backend = live_backend()
-    try:
-        writes_by_id_replace_what_another_tool_wrote(backend, index)
-    finally:
-        delete_every_tenants(backend, index)
+    on_the_cluster(writes_by_id_replace_what_another_tool_wrote, index)
