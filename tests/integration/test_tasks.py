@@ -974,7 +974,11 @@ class PacingRuntime(ScriptedRuntime):
         self.meanwhile = meanwhile
         self.paced = self.unpaced = 0
 
-    def pace(self, stopping: Callable[[], bool] | None = None) -> None:
+    def pace(
+        self,
+        stopping: Callable[[], bool] | None = None,
+        canceled: Callable[[], bool] | None = None,
+    ) -> None:
         self.paced += 1
         self.meanwhile()
 

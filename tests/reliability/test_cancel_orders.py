@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 import httpx
 import pytest
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fake_anthropic import FakeAnthropic
@@ -32,9 +33,11 @@ from tests.reliability.support import (
     sample_queries,
     stack_env,
     submit_batch,
+    submit_search,
     wait_for,
 )
 from tests.services import free_port, gateway, http_get, redis_server
+from worker.constants import RATE_BUDGET_KEY
 from worker.processes.stack import child_env, worker_process
 
 pytestmark = pytest.mark.integration
@@ -281,3 +284,39 @@ def test_a_cancel_reaches_the_items_waiting_for_a_place_in_flight(
             assert_told_alike(client, done, receiver)
         assert model.counts()["received"] == 2, model.counts()
     assert done["counts"]["succeeded"] == 2 and done["counts"]["canceled"] == 8, done["counts"]
+
+
+@pytest.mark.timeout(300)
+def test_a_cancel_reaches_the_items_paced_while_the_breaker_is_open(
+    tmp_path: Path, stack: OrderStack, receiver: Receiver
+) -> None:
+    """A search's call answered 529 with ``retry-after: 60`` opens the shared rate budget's
+    breaker for a minute. A batch submitted then starts its 10 items, which pace (a batch
+    item waits for the budget before its search and its deadline start) while it is open.
+    A cancel reaches them there: every item ends ``canceled`` while the breaker is still
+    open, and the model is sent nothing more. Before, the pacing asked only whether the
+    worker was stopping: the items saw the cancel once the opening was over (59 s after
+    the cancel in the review's run), the batch ``running`` until then."""
+    budget = redis.Redis.from_url(stack.env["SIFT_REDIS_URL"], decode_responses=True)
+    key = RATE_BUDGET_KEY + "standard:claude-haiku-4-5"
+
+    def breaker_open() -> bool:  # on Redis's clock, as the budget's script reads it
+        seconds, micros = budget.time()
+        return float(budget.hget(key, "open") or 0) > seconds + micros / 1e6
+
+    with FakeAnthropic() as model, running(tmp_path, stack, model) as (client, env):
+        with worker(tmp_path / "w", env, "w"):
+            model.outage(600, (529,), retry_after=60)
+            submit_search(client, sample_queries()[0])
+            wait_for(lambda: model.counts()["received"] == 1, "the search's call answered 529")
+            wait_for(breaker_open, "the breaker opened")
+            batch_id = submit_batch(client, 10, webhook_url=receiver.url)
+            wait_for(lambda: batch_counts(client, batch_id)["counts"]["running"] == 10, "started")
+            answer = cancel(client, batch_id)
+            assert answer.status_code == 200, answer.text
+            done = finished(client, batch_id)
+            assert breaker_open(), "the items saw the cancel only once the breaker was over"
+            assert_told_alike(client, done, receiver)
+        assert model.counts()["received"] == 1, model.counts()
+    budget.close()
+    assert done["counts"]["canceled"] == 10, done["counts"]

@@ -72,10 +72,14 @@ class Runtime:
         int8 graph is made here), so the first query does not wait for it."""
         self.pipeline.embedder.embed(["warm up"])
 
-    def pace(self, stopping: Callable[[], bool] | None = None) -> None:
+    def pace(
+        self,
+        stopping: Callable[[], bool] | None = None,
+        canceled: Callable[[], bool] | None = None,
+    ) -> None:
         """A batch item waits here for the rate budget, until ``stopping`` says the worker
-        is (:meth:`SearchPipeline.pace`)."""
-        self.pipeline.pace(stopping)
+        is, or ``canceled`` that its batch is (:meth:`SearchPipeline.pace`)."""
+        self.pipeline.pace(stopping, canceled)
 
     def unpace(self) -> None:
         """A batch item paced that runs no search (:meth:`SearchPipeline.unpace`)."""

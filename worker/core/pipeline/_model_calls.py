@@ -142,7 +142,11 @@ class ModelCalls:
     sleep: Callable[[float], None]
     call_time: CallTime
 
-    def pace(self, stopping: Callable[[], bool] | None = None) -> None:
+    def pace(
+        self,
+        stopping: Callable[[], bool] | None = None,
+        canceled: Callable[[], bool] | None = None,
+    ) -> None:
         """Wait, before a search starts, until the rate budget's queue is short enough for it
         to be served well within its deadline (a third of it). For a batch item, which no
         caller waits on: without it, a batch larger than the budget serves in a deadline
@@ -152,13 +156,18 @@ class ModelCalls:
         ``stopping`` is asked before each wait: once it says so (the worker is stopping), the
         item waits no more and :class:`~worker.errors.HandedBack` is raised, the item not
         counted as started. It waited through the stop deadline, and the worker exited as
-        after a crash."""
+        after a crash. ``canceled`` is asked there too: once it says so (the item's batch was
+        canceled), the item waits no more and goes on to its search, whose check before the
+        model call cancels it. It waited for as long as the budget was shut (a breaker open
+        for a 529's minute-long ``retry-after``, a 429's pause), the batch ``running``."""
         if self.rate_budget is None:
             return
         room = self.config.deadline_seconds / 3
         while (excess := self.rate_budget.backlog() - room) > 0:
             if stopping is not None and stopping():
                 raise HandedBack("the worker is stopping: the item waits no more for the budget")
+            if canceled is not None and canceled():
+                break
             # spread the re-checks: the queue frees at the limit's rate, not all at once
             self.sleep(min(excess, 1.0) + random.uniform(0.0, 0.5))
         self.rate_budget.started()  # counted by every process until its call is reserved

@@ -212,10 +212,15 @@ class SearchPipeline:
             else:
                 _record(figures)
 
-    def pace(self, stopping: Callable[[], bool] | None = None) -> None:
+    def pace(
+        self,
+        stopping: Callable[[], bool] | None = None,
+        canceled: Callable[[], bool] | None = None,
+    ) -> None:
         """Wait, before a batch item's search starts, until the rate budget's queue is short
-        enough for it, or until ``stopping`` says the worker is (:meth:`ModelCalls.pace`)."""
-        self._model_calls().pace(stopping)
+        enough for it, or until ``stopping`` says the worker is, or ``canceled`` that the
+        item's batch is (:meth:`ModelCalls.pace`)."""
+        self._model_calls().pace(stopping, canceled)
 
     def unpace(self) -> None:
         """The batch item this thread paced runs no search (another run holds it): it counts

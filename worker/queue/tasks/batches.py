@@ -215,7 +215,8 @@ class _ChunkItems:
                     return self._run_first_half(item, waited)
                 pace = getattr(self.runtime, "pace", None)  # a runtime factory's may have none
                 if pace is not None:  # wait for the shared rate budget before the deadline
-                    pace(self.stopping)  # starts (until the worker stops)
+                    # starts (until the worker stops, or the batch's cancel ends the wait)
+                    pace(self.stopping, partial(self.marks.canceled, self.batch_id))
                 item_claim = self.store.claim_item(
                     self.batch_id, item.query_id, self.owner, lease_seconds=self.deadline
                 )
