@@ -97,6 +97,27 @@ def test_sift_search_says_what_a_failed_search_was_billed(stack: Stack, corpus: 
             assert done.stdout == ""
 
 
+def test_sift_search_trace_prints_the_trace_of_a_search_that_failed(
+    stack: Stack, corpus: object
+) -> None:
+    """``sift search --rerank --trace`` of a search whose rerank fails for good (three answers
+    not in the schema, ``fail_closed``): the trace it asked for, which the failed job keeps as
+    ``error.trace``, is printed as a succeeded search's is, each attempt with its class and
+    the failure named, then the usage line and the error on stderr. It printed the usage and
+    the error alone: what each attempt met was not shown, the trace asked for dropped."""
+    env = child_env({"SIFT_URL": stack.live_url, "SIFT_API_KEY": "acme-key-0001"})
+    stack.model.script([malformed("no json")] * 3)
+    done = subprocess.run(
+        sift_command("search", "green tea leaves", "--index", INDEX, "--rerank", "--trace"),
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    shown = " ".join(done.stdout.split())
+    assert "attempts: #1 malformed" in shown and "#3 malformed" in shown, shown
+    assert "failed: malformed" in shown and "fallback:" not in shown, shown
+    assert "error: search" in done.stderr and "error: search" not in done.stdout
+
+
 def test_a_failed_batch_item_reports_its_billed_usage(stack: Stack, corpus: object) -> None:
     before = stack.model.usage()
     stack.model.script([malformed("still not json")] * 3)

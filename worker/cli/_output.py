@@ -348,7 +348,10 @@ def trace_lines(trace: dict[str, Any]) -> list[str]:
         )
         lines.append(f"kept: {kept or 'none'}")
         lines.append(f"dropped: {dropped or 'none'}")
-    lines.append(f"fallback: {trace.get('fallback_reason') or 'none'}")
+    if trace.get("failure"):  # failed for good (fail_closed): no fallback was served
+        lines.append(f"failed: {trace['failure']}")
+    else:
+        lines.append(f"fallback: {trace.get('fallback_reason') or 'none'}")
     lines.append(usage_line(trace.get("usage") or {}))
     return lines
 

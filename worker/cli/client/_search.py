@@ -29,9 +29,16 @@ from worker.constants import MAX_LIMIT, MAX_WAIT_SECONDS
 def _print_search(console: Console, job: dict[str, Any], *, trace: bool) -> None:
     result = job.get("result") or {}
     print_result(console, result)
-    if trace and result.get("trace") is not None:
+    if trace:
+        _print_trace(console, result.get("trace"))
+
+
+def _print_trace(console: Console, trace: object) -> None:
+    """A search's trace, compactly: a result's, or the one a failed search keeps on its
+    error (``error.trace``: up to the failure, which it names)."""
+    if isinstance(trace, dict):
         console.print("[bold]trace[/] (the raw trace: --json)")
-        for line in trace_lines(result["trace"]):
+        for line in trace_lines(trace):
             console.print(f"  {plain(line)}", soft_wrap=True)
 
 
@@ -129,6 +136,8 @@ def search(
             typer.echo(json.dumps(job))
         elif job.get("status") == "succeeded":
             _print_search(console, job, trace=trace)
+        elif trace and isinstance(job.get("error"), dict):
+            _print_trace(console, job["error"].get("trace"))
         if job.get("status") != "succeeded":
             billed = _billed_usage(job)
             if billed is not None:  # paid whether the search failed or not
