@@ -600,6 +600,31 @@ def test_search_trace_tells_an_attempt_s_own_time_from_its_waits(
     assert shown in result.output
 
 
+def test_search_trace_does_not_show_a_budget_exhausted_attempt_s_wait_as_waited(
+    fake_gateway: FakeGateway,
+) -> None:
+    """An attempt the rate budget could not serve within the deadline is sent nothing: its
+    ``budget_wait_seconds`` is the whole wait the budget asked of it (here a breaker open for
+    a minute), not slept. The compact trace says so, and shows as waited the back-off slept
+    before it. It printed '#1 budget_exhausted 0.0 ms after 59.45 s
+    waiting' for a search that had run for a millisecond."""
+    attempts = [
+        {"n": 1, "outcome": "http_5xx", "seconds": 0.0045, "backoff_wait_seconds": 0.0,
+         "budget_wait_seconds": 0.0},
+        {"n": 2, "outcome": "budget_exhausted", "seconds": 0.0, "backoff_wait_seconds": 0.2,
+         "budget_wait_seconds": 59.45},
+    ]  # fmt: skip
+    trace = {**TRACE, "attempts": attempts, "rerank_seconds": 0.21}
+    fake_gateway.search_answers_at_once, fake_gateway.trace = True, trace
+    result = run(fake_gateway, "search", "q", "--index", "s", "--trace")
+    assert result.exit_code == 0, result.output
+    shown = (
+        "attempts: #1 http_5xx 4.5 ms, #2 budget_exhausted (not sent: the budget would have "
+        "held it 59.45 s in all, past the deadline) after 0.20 s waiting; rerank 210.0 ms"
+    )
+    assert shown in " ".join(result.output.split()), result.output
+
+
 def test_search_trace_json_keeps_the_raw_trace(fake_gateway: FakeGateway) -> None:
     fake_gateway.search_answers_at_once, fake_gateway.trace = True, TRACE
     result = run(fake_gateway, "search", "q", "--index", "s", "--trace", "--json")

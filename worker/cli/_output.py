@@ -278,14 +278,29 @@ def _attempt_text(attempt: dict[str, Any]) -> str:
     '#2 ok 5.4 ms after 0.80 s waiting'
     >>> _attempt_text({"n": 1, "outcome": "rate_limited", "sent": False, "seconds": 0.0})
     '#1 rate_limited (not sent) 0.0 ms'
-    """
-    waits = [attempt.get(k) for k in ("backoff_wait_seconds", "budget_wait_seconds")]
+
+    A ``budget_exhausted`` attempt was sent nothing: its ``budget_wait_seconds`` is the whole
+    wait the budget asked of it (any part it waited on the budget, and the rest, which would
+    have run past the deadline), so it is not shown as waited; its back-off is.
+
+    >>> _attempt_text({"n": 2, "outcome": "budget_exhausted", "seconds": 0.0,
+    ...                "backoff_wait_seconds": 1.0, "budget_wait_seconds": 59.45})
+    '#2 budget_exhausted (not sent: the budget would have held it 59.45 s in all, past the deadline) after 1.00 s waiting'
+    """  # noqa: E501
+    kinds = ["backoff_wait_seconds", "budget_wait_seconds"]
+    asked = None
+    if attempt.get("outcome") == "budget_exhausted":
+        asked = attempt.get("budget_wait_seconds")
+        kinds.remove("budget_wait_seconds")
+    waits = [attempt.get(k) for k in kinds]
     waited = sum(w for w in waits if isinstance(w, int | float))
-    return (
-        f"#{attempt.get('n')} {attempt.get('outcome')}"
-        f"{' (not sent)' if attempt.get('sent') is False else ''} "
-        f"{_seconds(attempt.get('seconds'))}"
-        + (f" after {waited:.2f} s waiting" if round(waited, 2) > 0 else "")
+    if isinstance(asked, int | float):
+        what = f" (not sent: the budget would have held it {asked:.2f} s in all, past the deadline)"
+    else:
+        what = f"{' (not sent)' if attempt.get('sent') is False else ''} "
+        what += _seconds(attempt.get("seconds"))
+    return f"#{attempt.get('n')} {attempt.get('outcome')}{what}" + (
+        f" after {waited:.2f} s waiting" if round(waited, 2) > 0 else ""
     )
 
 
