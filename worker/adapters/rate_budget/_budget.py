@@ -58,9 +58,10 @@ OFF_REFRESH_SECONDS = 0.2
 # OUTAGE_MAX_SECONDS; then one call, the probe, goes alone (its lease: PROBE_LEASE_SECONDS, an
 # attempt's default timeout, should its process die), the others asking again every
 # PROBE_POLL_SECONDS. An answer that is neither a 5xx nor a 429 closes it; another 5xx opens
-# it again; a 429 (a pause) or no answer lets the next probe go. While it is not closed, the
-# backlog a batch paces on reads OUTAGE_BACKLOG_SECONDS: no new batch item starts its search
-# (and its deadline) against a provider that is down.
+# it again; a 429 (a pause) or no answer lets the next probe go. While it is open, or its
+# probe is out, the backlog a batch paces on reads OUTAGE_BACKLOG_SECONDS: no new batch item
+# starts its search (and its deadline) against a provider that is down. Half open (the opening
+# over, no probe out), it reads as usual: the items that look then start, one to be the probe.
 OUTAGE_FIRST_SECONDS = 1.0
 OUTAGE_MAX_SECONDS = 16.0
 PROBE_LEASE_SECONDS = 20.0
