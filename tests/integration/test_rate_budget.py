@@ -253,6 +253,28 @@ def test_each_5xx_in_a_row_opens_the_breaker_longer_or_for_its_retry_after(
     assert not budget.reserve(PROMPT, 60.0).shut
 
 
+def test_a_search_in_flight_when_an_outage_began_is_answered_after_it_within_its_deadline(
+    client: redis.Redis,
+) -> None:
+    """An outage of 5xx with no ``retry-after`` (529s, an overloaded provider) that lasts two
+    thirds of the default search deadline (20 s of 30): the first probe after its end goes
+    out, with a 1 s call, within the deadline of a search that met the outage's first 5xx,
+    so the searches in flight then are answered, not ``budget_exhausted``. The breaker's
+    openings are read from the budget itself (1 s doubled at each 5xx in a row, capped at
+    8 s). Capped at 16 s, the probes would go at 1, 3, 7, 15 and 31 s, past the deadline
+    (413 of a 900-item batch failed in such a run at the defaults)."""
+    budget = RedisRateBudget(client, MODEL)
+    deadline = Settings.model_fields["search_deadline_seconds"].default
+    outage, call = 2 / 3 * deadline, 1.0
+    probes, at = [], 0.0
+    while at < outage:
+        budget.trip(None)  # each probe answered 5xx while the outage lasts
+        at += budget.reserve(PROMPT, 60.0).wait
+        probes.append(round(at, 1))
+        _half_open(client, budget.key)
+    assert at + call <= deadline, probes
+
+
 def test_a_probe_whose_process_died_lets_another_probe_after_its_lease(
     client: redis.Redis,
 ) -> None:

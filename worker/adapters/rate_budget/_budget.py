@@ -62,8 +62,12 @@ OFF_REFRESH_SECONDS = 0.2
 # probe is out, the backlog a batch paces on reads OUTAGE_BACKLOG_SECONDS: no new batch item
 # starts its search (and its deadline) against a provider that is down. Half open (the opening
 # over, no probe out), it reads as usual: the items that look then start, one to be the probe.
+# The cap is the SDK's own longest back-off between retries (anthropic's MAX_RETRY_DELAY): one
+# probe every 8 s at most while an outage lasts, so a search that met its first 5xx is
+# answered within its deadline after an outage of two thirds of it (probes at 1, 3, 7, 15,
+# 23 s; a 16 s cap would send the probe after a 20 s outage at 31 s, past a 30 s deadline).
 OUTAGE_FIRST_SECONDS = 1.0
-OUTAGE_MAX_SECONDS = 16.0
+OUTAGE_MAX_SECONDS = 8.0
 PROBE_LEASE_SECONDS = 20.0
 PROBE_POLL_SECONDS = 1.0
 OUTAGE_BACKLOG_SECONDS = 86_400.0
