@@ -580,48 +580,45 @@ def test_search_trace_is_compact(fake_gateway: FakeGateway) -> None:
     assert "the full text of candidate" not in result.output
 
 
+_FIRST_529 = {"n": 1, "outcome": "http_5xx", "seconds": 0.0045, "backoff_wait_seconds": 0.0,
+              "budget_wait_seconds": 0.0}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("retry", "rerank_seconds", "shown"),
+    [
+        # a retry that backed off and waited on the breaker before it was answered at once:
+        # its own time and its waits apart (it printed the wait as the call's: '#2 ok 806.2 ms')
+        (
+            {"n": 2, "outcome": "ok", "seconds": 0.005, "backoff_wait_seconds": 0.2,
+             "budget_wait_seconds": 0.6},
+            1.01,
+            "attempts: #1 http_5xx 4.5 ms, #2 ok 5.0 ms after 0.80 s waiting; rerank 1.01 s",
+        ),
+        # one the rate budget could not serve within the deadline is sent nothing: its
+        # budget_wait_seconds is the whole wait the budget asked of it (a breaker open for a
+        # minute), not slept; the back-off slept before it is (it printed '#2
+        # budget_exhausted 0.0 ms after 59.65 s waiting' for a search that ran 0.2 s)
+        (
+            {"n": 2, "outcome": "budget_exhausted", "seconds": 0.0, "backoff_wait_seconds": 0.2,
+             "budget_wait_seconds": 59.45},
+            0.21,
+            "attempts: #1 http_5xx 4.5 ms, #2 budget_exhausted (not sent: the budget would "
+            "have held it 59.45 s in all, past the deadline) after 0.20 s waiting; rerank "
+            "210.0 ms",
+        ),
+    ],
+    ids=["answered", "budget_exhausted"],
+)  # fmt: skip
 def test_search_trace_tells_an_attempt_s_own_time_from_its_waits(
-    fake_gateway: FakeGateway,
+    fake_gateway: FakeGateway, retry: dict[str, Any], rerank_seconds: float, shown: str
 ) -> None:
-    """A 529, then a retry that backed off and waited on the breaker before it was answered
-    at once: the compact trace prints the retry's own time and its waits apart. It printed
-    the wait as the call's time ('#2 ok 806.2 ms')."""
-    attempts = [
-        {"n": 1, "outcome": "http_5xx", "seconds": 0.0045, "backoff_wait_seconds": 0.0,
-         "budget_wait_seconds": 0.0},
-        {"n": 2, "outcome": "ok", "seconds": 0.005, "backoff_wait_seconds": 0.2,
-         "budget_wait_seconds": 0.6},
-    ]  # fmt: skip
-    trace = {**TRACE, "attempts": attempts, "rerank_seconds": 1.01}
+    """A 529, then a retry: the compact trace prints each attempt's own time and what it
+    waited apart."""
+    trace = {**TRACE, "attempts": [_FIRST_529, retry], "rerank_seconds": rerank_seconds}
     fake_gateway.search_answers_at_once, fake_gateway.trace = True, trace
     result = run(fake_gateway, "search", "q", "--index", "s", "--trace")
     assert result.exit_code == 0, result.output
-    shown = "attempts: #1 http_5xx 4.5 ms, #2 ok 5.0 ms after 0.80 s waiting; rerank 1.01 s"
-    assert shown in result.output
-
-
-def test_search_trace_does_not_show_a_budget_exhausted_attempt_s_wait_as_waited(
-    fake_gateway: FakeGateway,
-) -> None:
-    """An attempt the rate budget could not serve within the deadline is sent nothing: its
-    ``budget_wait_seconds`` is the whole wait the budget asked of it (here a breaker open for
-    a minute), not slept. The compact trace says so, and shows as waited the back-off slept
-    before it. It printed '#1 budget_exhausted 0.0 ms after 59.45 s
-    waiting' for a search that had run for a millisecond."""
-    attempts = [
-        {"n": 1, "outcome": "http_5xx", "seconds": 0.0045, "backoff_wait_seconds": 0.0,
-         "budget_wait_seconds": 0.0},
-        {"n": 2, "outcome": "budget_exhausted", "seconds": 0.0, "backoff_wait_seconds": 0.2,
-         "budget_wait_seconds": 59.45},
-    ]  # fmt: skip
-    trace = {**TRACE, "attempts": attempts, "rerank_seconds": 0.21}
-    fake_gateway.search_answers_at_once, fake_gateway.trace = True, trace
-    result = run(fake_gateway, "search", "q", "--index", "s", "--trace")
-    assert result.exit_code == 0, result.output
-    shown = (
-        "attempts: #1 http_5xx 4.5 ms, #2 budget_exhausted (not sent: the budget would have "
-        "held it 59.45 s in all, past the deadline) after 0.20 s waiting; rerank 210.0 ms"
-    )
     assert shown in " ".join(result.output.split()), result.output
 
 
