@@ -7,6 +7,10 @@ after the first 529s, sends one probe at a time (after 1 s, then 2, 4, 8 s), and
 everyone go again once a probe is answered: the items wait within their deadline instead of
 spending their retry budget on a provider that is down. Before it, every item sent its three
 attempts into the outage within a few seconds and failed ``rerank_failed``.
+
+The deployment has had an answer before the outage (a one-item batch): its very first call is
+the budget's learner, sent alone, and one meeting an outage is the only search in flight,
+which goes as each probe and may spend its attempts on them (docs/queue.md).
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ def test_a_529_outage_shorter_than_the_deadline_fails_no_item_and_is_probed_not_
             celery_worker(tmp_path / "w", env, "w"),
         ):
             ingest(client)
+            first = submit_batch(client, 1)  # the deployment's first answer: it states no limit
+            wait_for(lambda: batch_counts(client, first)["finished_at"] is not None, "first", 60)
+            model.reset()
             model.outage(OUTAGE_SECONDS, (529,))
             batch_id = submit_batch(client, ITEMS)
             wait_for(

@@ -72,6 +72,43 @@ PROBE_LEASE_SECONDS = 20.0
 PROBE_POLL_SECONDS = 1.0
 OUTAGE_BACKLOG_SECONDS = 86_400.0
 
+# Learning the limits. While no limit is known (none set, learned or stored in the hash), one
+# call at a time goes out, the learner, whose answer's headers teach the limits to every
+# process: its place is a key (:data:`LEARNER_SCRIPT`) held for LEARN_LEASE_SECONDS at most
+# (an attempt's default timeout, should its process die). Meanwhile the other calls wait for
+# the limits to appear in the hash (read every OFF_REFRESH_SECONDS), or for the place to be
+# free, and the backlog a batch paces on reads OUTAGE_BACKLOG_SECONDS: a deployment's first
+# batch starts its items once the limits can pace them, not all at once into the provider's
+# 429s and past the deadlines the limits learned then hold them to. An answer that states no
+# limit (a proxy that strips the headers) leaves the place as UNSTATED for UNSTATED_SECONDS:
+# every call goes at once, unmetered, until then, and one call learns again after it.
+LEARN_LEASE_SECONDS = round(PROBE_LEASE_SECONDS)  # whole seconds: a key's EX
+UNSTATED = "unstated"
+UNSTATED_SECONDS = 3_600
+
+# KEYS[1]: the learner's place. ARGV[1]: the caller's token (its process and thread); ARGV[2]:
+# 'take' (the place, if it is free: answers who holds it now, the caller included), 'drop'
+# (the caller gives its place up: the next call may learn) or 'unstated' (the caller's answer
+# stated no limit); ARGV[3]: how long what is set lasts, in seconds. 'drop' and 'unstated' act
+# only while the place is the caller's; they answer who held it. Flagged allow-oom as
+# BUDGET_SCRIPT is: it writes one short key at most.
+LEARNER_SCRIPT = """#!lua flags=allow-oom
+local held = redis.call('GET', KEYS[1])
+if ARGV[2] == 'take' then
+  if held then return held end
+  redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
+  return ARGV[1]
+end
+if held == ARGV[1] then
+  if ARGV[2] == 'drop' then
+    redis.call('DEL', KEYS[1])
+  else
+    redis.call('SET', KEYS[1], 'UNSTATED', 'EX', ARGV[3])
+  end
+end
+return held or ''
+""".replace("UNSTATED", UNSTATED)
+
 
 # KEYS[1]: the budget's hash. ARGV: 1-3 the configured limits per minute (requests, input
 # tokens, output tokens; 0: none), 4-6 the amounts to take (negative: give back), 7 the most the
@@ -297,11 +334,13 @@ class TokenEstimator:
 class RedisRateBudget:
     """A :class:`~worker.core.ports.RateBudget` shared through Redis by every process.
 
-    Off (every reservation admitted at once, nothing written to Redis) until a limit is
-    known: from ``limits`` (``SIFT_RATE_LIMITS``), from response headers given to
-    :meth:`learn`, or from the shared hash, where another process stored the limits it learned
-    or a 429's pause (:meth:`_turned_on`, read while off at most every
-    :data:`OFF_REFRESH_SECONDS`). A 429's pause is honoured even then.
+    Off (nothing metered) until a limit is known: from ``limits`` (``SIFT_RATE_LIMITS``),
+    from response headers given to :meth:`learn`, or from the shared hash, where another
+    process stored the limits it learned or a 429's pause (:meth:`_turned_on`, read while off
+    at most every :data:`OFF_REFRESH_SECONDS`). A 429's pause is honoured even then. While
+    off, one call at a time goes out, the learner (:meth:`_may_send`), the others waiting
+    for what its answer teaches, unless an answer stated no limit: then every call goes at
+    once, nothing written to Redis.
     """
 
     def __init__(
@@ -326,6 +365,9 @@ class RedisRateBudget:
         self._clock = clock
         self.client = client
         self._script = client.register_script(BUDGET_SCRIPT)
+        self._learner_script = client.register_script(LEARNER_SCRIPT)
+        self.learner_key = f"{self.key}:learner"
+        self._learner: str | None = None  # who held the learner's place at the last reading
         self._typical = (0.0, 0.0)  # the last call's input and output tokens, for backlog()
         self._paused = False
         # the last reading (below zero: room left), and when (this process's clock)
@@ -412,7 +454,8 @@ class RedisRateBudget:
         process that had no answer of its own yet (at the defaults, with no
         ``SIFT_RATE_LIMITS``, every process until its first answer) sent straight through
         the cluster's 429 pause, and unmetered, whatever limits the others had learned. Read
-        at most every :data:`OFF_REFRESH_SECONDS` (its first call always reads)."""
+        at most every :data:`OFF_REFRESH_SECONDS` (its first call always reads), with who
+        holds the learner's place (:meth:`_may_send`)."""
         if self.active:
             return True
         now = self._clock()
@@ -422,7 +465,9 @@ class RedisRateBudget:
         pipe = self.client.pipeline(transaction=False)
         pipe.hmget(self.key, ["Lr", "Li", "Lo", "pause", "strikes"])
         pipe.time()
-        (rpm, itpm, otpm, pause, strikes), (seconds, micros) = pipe.execute()
+        pipe.get(self.learner_key)
+        (rpm, itpm, otpm, pause, strikes), (seconds, micros), held = pipe.execute()
+        self._learner = _text(held) or None
         stored = RateLimit(rpm=_limit(rpm), itpm=_limit(itpm), otpm=_limit(otpm))
         if stored != RateLimit():
             self.learned = stored
@@ -430,13 +475,54 @@ class RedisRateBudget:
             self._paused = True  # a 429's pause, or the breaker (a 5xx): on from now
         return self.active
 
+    def _may_send(self) -> bool:
+        """The budget off (:meth:`_turned_on` said so): whether this thread's call may go now,
+        unmetered. It may as the learner, whose answer teaches the limits: the place was free
+        at the last reading, and it took it now, or it took it before (its batch item's
+        pacing did); or when an answer stated no limit (:data:`UNSTATED`). Not while another
+        call is out learning: one at a time goes, the others waiting for the limits it
+        learns, so that a first batch at the defaults is metered from its second call, not
+        sent at once into the provider's 429s and past the deadlines the limits learned then
+        hold it to."""
+        token = f"{self.process}:{threading.get_ident()}"
+        if self._learner is None:  # free at the last reading: take it, if it still is
+            args: list[str | int] = [token, "take", LEARN_LEASE_SECONDS]
+            self._learner = _text(self._learner_script(keys=[self.learner_key], args=args))
+        if self._learner == token:
+            self._call.learning = True  # given up at its settlement, or its search's end
+        return self._learner in (token, UNSTATED)
+
+    def _leave(self, unstated: bool = False) -> None:
+        """This thread's call was the learner's, or its batch item took the place and ends
+        without one: the place is given up, the next call may learn; or, its answer having
+        stated no limit (``unstated``), left as :data:`UNSTATED`, every call sent unmetered.
+        Never raises: it comes after what happened to the call, and the place's lease ends it."""
+        self._call.learning = False
+        what, seconds = ("unstated", UNSTATED_SECONDS) if unstated else ("drop", 1)
+        token = f"{self.process}:{threading.get_ident()}"
+        try:
+            self._learner_script(keys=[self.learner_key], args=[token, what, seconds])
+        except redis.RedisError as exc:
+            log.warning(
+                "the rate budget of %s could not give up its learner's place; it ends with "
+                "its lease, in %.0f s at most: %s",
+                self.model,
+                LEARN_LEASE_SECONDS,
+                exc,
+            )
+            return
+        self._learner = UNSTATED if unstated else None
+
     def backlog(self) -> float:
         """Seconds a call like the last one would wait now, once every process's items let
         start and not yet reserved have theirs (nothing is reserved). Answered from this
         process's last reading when it is under :data:`BACKLOG_REFRESH_SECONDS` old (every
-        reservation is one): a batch asks before each item."""
+        reservation is one): a batch asks before each item. While no limit is known, 0 for
+        the item that goes as the learner (:meth:`_may_send`), or for every item once an
+        answer stated no limit; a day for the others while the learner is out: they start
+        their searches, and their deadlines, once the limits it learns can pace them."""
         if not self._turned_on():
-            return 0.0
+            return 0.0 if self._may_send() else OUTAGE_BACKLOG_SECONDS
         reading, read_at = self._backlog
         now = self._clock()
         if now - read_at >= BACKLOG_REFRESH_SECONDS:
@@ -461,7 +547,10 @@ class RedisRateBudget:
 
     def ended(self) -> None:
         """This thread's item no longer counts as let start: it reserved its call, or its
-        search ended without one."""
+        search ended without one. An item that took the learner's place for its call and
+        ends without one gives it up (:meth:`_leave`)."""
+        if getattr(self._call, "learning", False):
+            self._leave()
         ticket = getattr(self._call, "started", None)
         if ticket is not None:
             self._call.started = None
@@ -495,10 +584,13 @@ class RedisRateBudget:
         return seconds
 
     def reserve(self, prompt: RerankPrompt, max_wait: float) -> BudgetGrant:
-        if not self._turned_on():
-            return BudgetGrant(admitted=True, wait=0.0)
         raw = self.estimator.raw(prompt)
         estimate = self.estimator.estimate(prompt)
+        if not self._turned_on():
+            if not self._may_send():  # another call is out learning the limits: ask again
+                return BudgetGrant(False, OFF_REFRESH_SECONDS, shut=True, learning=True)
+            self._typical = (float(estimate), float(prompt.max_tokens))
+            return BudgetGrant(admitted=True, wait=0.0)
         self._typical = (float(estimate), float(prompt.max_tokens))
         self.ended()  # its call is reserved now, or refused: in the bucket, or not at all
         take = (1, estimate, prompt.max_tokens)
@@ -549,6 +641,9 @@ class RedisRateBudget:
         stated = getattr(self._call, "stated", None)
         found = getattr(self._call, "found", None)
         self._call.stated = self._call.found = None
+        if getattr(self._call, "learning", False):  # its answer stated the limits, or none
+            message = usage is not None and bool(usage.input_tokens or usage.output_tokens)
+            self._leave(unstated=sent and closes and message and self.learned == RateLimit())
         if usage is None or not grant.admitted or not (grant.input_tokens or grant.output_tokens):
             return
         # an answer (the call reported usage; a 429 is not one, ``closes``): the provider is

@@ -1,0 +1,65 @@
+"""A deployment's first batch at the default settings (no ``SIFT_RATE_LIMITS``), on a real stack
+(redis-server, ``sift worker`` with two Celery processes, the gateway, the fake Messages API
+over HTTP metering 60 requests a minute and stating its limits in every answer's headers, as
+Anthropic's does).
+
+No process knows the limits until an answer states them: the shared rate budget
+(``worker/adapters/rate_budget``) sends one call alone, the learner, and holds every other
+call, and the batch's pacing, until its answer taught the limits; from then on the budget
+meters the batch at them. The batch is larger than the tier serves within a search's deadline
+(30 s), so its items must be paced, not started at once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.fake_anthropic import FakeAnthropic
+from tests.reliability.support import batch_counts, ingest, stack_env, submit_batch, wait_for
+from tests.services import gateway, redis_server
+from worker.processes.stack import child_env, worker_process
+
+pytestmark = pytest.mark.integration
+
+RPM = 60  # the fake's bucket holds 60 requests, then refills one a second
+ITEMS = 84  # the tier serves about 83 within a deadline: 54 at once (Sift's 90%), then 1/s
+MODEL_SECONDS = 0.3
+
+
+@pytest.mark.timeout(300)
+def test_a_first_batch_without_rate_limits_set_is_paced_on_the_limits_its_first_answer_states(
+    tmp_path: Path,
+) -> None:
+    """Every item succeeds, the provider answers no 429, and the first call went out alone:
+    the second came in after the first was answered. Every item started at once, before any
+    answer, the provider answers 45 of the calls 429, and 4 or 5 items end ``rerank_failed``
+    (their retries answered 429 too, or held past their deadline by the limits learned
+    meanwhile: ``budget_exhausted``)."""
+    with (
+        redis_server(tmp_path / "redis") as url,
+        FakeAnthropic(delay=MODEL_SECONDS, rpm=RPM) as model,
+    ):
+        env = stack_env(url + "/0", model.url)
+        env.pop("SIFT_WORKER_SOFT_SHUTDOWN_SECONDS")  # every setting at its default
+        with (
+            gateway(tmp_path / "g", env) as base,
+            httpx.Client(base_url=base, timeout=30) as client,
+            worker_process(tmp_path / "w", child_env(env, inherit_sift=False), processes=2),
+        ):
+            ingest(client)
+            batch_id = submit_batch(client, ITEMS)
+            wait_for(
+                lambda: batch_counts(client, batch_id)["finished_at"] is not None,
+                "the batch finished",
+                240,
+            )
+            done = batch_counts(client, batch_id)
+        counts, requests = model.counts(), model.requests()
+    assert done["counts"]["succeeded"] == ITEMS, (done["counts"], counts)
+    assert model.rate_limited() == 0, counts
+    assert counts["statuses"] == {"200": ITEMS}, counts
+    first, second = sorted(r["monotonic"] for r in requests)[:2]
+    assert second >= first + MODEL_SECONDS, (first, second)  # the learner's answer came first
