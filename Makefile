@@ -7,12 +7,20 @@ BIN := $(VENV)/bin
 # test starts its own services on free ports, so two files never share a Redis or a worker.
 # --no-loadscope-reorder: files are handed out in testpaths order (the longest first, see
 # pyproject.toml); xdist's default reorders them by test count, the one-test reliability runs last.
-# Six on two cores: the tests' durations sum to about 10,100 s (dead-worker checks, poll
-# cadences, sweeps at their defaults; 7 December's CI), so the run is bound by that sum over
-# the xdist processes, not by one file (the longest, test_worker_recovery.py, 9 minutes); its
-# processes use about 55 CPU-min (user+sys, `time`) over its 30-32 min, about 87% of the two
-# cores, so more processes would starve the CPU. Measured on one machine under the same
-# outside load (about 10), when the sum was half today's:
+# Six on two cores: the tests' durations sum to about 6,250 s (dead-worker checks, poll
+# cadences, sweeps at their defaults; the clean-clone CI of 33e4afa on a quiet machine: pytest
+# 18 min 9 s, 3,856 passed), so the run is bound by that sum over the xdist processes (about
+# 1,040 s each), not by one file (the longest, test_worker_recovery.py, 6.5 minutes); the order
+# of testpaths is within 1.3% of handing every file out longest first (a simulation of that
+# run's durations). Its processes used 27.2 CPU-min (user+sys, `time`) over its 19 min, 71% of
+# the two cores. Where the CPU goes (one run recording each Python process's own CPU, on 33e4afa
+# beside other test runs, load 10 to 48): the `sift worker` processes half (about 355 starts;
+# one with a generation model takes 2.4 CPU-s to its warm-up's end, 1.4 of them the SDK's
+# `import anthropic`, one without 0.9), the six xdist processes a quarter (their collection
+# about 10 CPU-s each, then the in-process tests), the gateways an eighth (about 160 starts).
+# Eight would bring the sum over the processes to about 780 s, but only with about a quarter
+# less CPU than now: at 71% of the cores in 19 min, the same CPU in 13 would starve them.
+# Measured on one machine under the same outside load (about 10), when the sum was about 5,000 s:
 # four took 1,067 s, six 762 s (29% less, every test passed); eight took 763 s, its tests'
 # durations summing a third more, and three timing-bound tests failed: the CPU was starved.
 TEST_WORKERS ?= 6
