@@ -308,6 +308,11 @@ class RateBudget(Protocol):
         """Seconds a typical call reserved now would wait (reserving nothing)."""
         ...
 
+    def shut(self) -> bool:
+        """Whether the breaker holds every call now (open, or its probe out): the backlog
+        a batch paces on reads a day."""
+        ...
+
     def started(self) -> None:
         """This thread's batch item, paced by :meth:`backlog`, goes on to its call: it counts
         in every process's backlog until it reserves the call or :meth:`ended`."""

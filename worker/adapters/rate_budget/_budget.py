@@ -60,8 +60,10 @@ OFF_REFRESH_SECONDS = 0.2
 # PROBE_POLL_SECONDS. An answer that is neither a 5xx nor a 429 closes it; another 5xx opens
 # it again; a 429 (a pause) or no answer lets the next probe go. While it is open, or its
 # probe is out, the backlog a batch paces on reads OUTAGE_BACKLOG_SECONDS: no new batch item
-# starts its search (and its deadline) against a provider that is down. Half open (the opening
-# over, no probe out), it reads as usual: the items that look then start, one to be the probe.
+# starts its search (and its deadline) against a provider that is down, nor one let start
+# before that gets its CPU slot meanwhile (shut(): it paces again, SearchPipeline.search).
+# Half open (the opening over, no probe out), it reads as usual: the items that look then
+# start, one to be the probe.
 # The cap is the SDK's own longest back-off between retries (anthropic's MAX_RETRY_DELAY): one
 # probe every 8 s at most while an outage lasts, so a search that met its first 5xx is
 # answered within its deadline after an outage of two thirds of it (probes at 1, 3, 7, 15,
@@ -529,6 +531,12 @@ class RedisRateBudget:
             reading = self._run((1, *self._typical), -2, tell=True)[2]
             self._backlog = (reading, now)
         return max(0.0, reading)
+
+    def shut(self) -> bool:
+        """Whether the breaker holds every call now (open, or its probe out), by the reading
+        :meth:`backlog` answers: a batch item that waited for its CPU slot meanwhile waits
+        again before its search begins."""
+        return self.backlog() >= OUTAGE_BACKLOG_SECONDS
 
     def started(self) -> None:
         """This thread's batch item, let start on the reading, goes on to reserve its call

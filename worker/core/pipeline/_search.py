@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
@@ -80,6 +81,9 @@ class SearchPipeline:
         self.rate_budget = rate_budget
         self.index_settings = index_settings
         self._call_time = CallTime()  # an average of answered calls' time, with the budget on
+        # per thread: the stop and cancel checks of the batch item it paced (pace), whose
+        # search, once its CPU slot is held, waits again while the breaker is shut
+        self._paced = threading.local()
 
     def variant(self, *, config: PipelineConfig, recorder: Recorder | None) -> SearchPipeline:
         """The same ports with another config and recorder (the economy lane's price and lane)."""
@@ -164,9 +168,15 @@ class SearchPipeline:
         figures: list[Callable[[], None]] = []
         deadline: Deadline | None = None
         try:
+            paced = self._take_paced()
             asked = self._clock()
             with ExitStack() as held:  # the first half's CPU slot (a retry's back-off lets it go)
                 held.enter_context(self._cpu_slots)  # the deadline starts once held (see prepare)
+                while paced is not None and self._held_by_breaker(paced):
+                    held.close()  # its search has not begun: the slot goes to another
+                    self._model_calls().pace(*paced)
+                    asked = self._clock()
+                    held.enter_context(self._cpu_slots)
                 waited = self._clock() - asked
                 if answers is not None:  # and so does the run's claim (its time, its lease)
                     answers.slot_held(waited)
@@ -221,12 +231,36 @@ class SearchPipeline:
         enough for it, or until ``stopping`` says the worker is, or ``canceled`` that the
         item's batch is (:meth:`ModelCalls.pace`)."""
         self._model_calls().pace(stopping, canceled)
+        self._paced.checks = (stopping, canceled)
 
     def unpace(self) -> None:
         """The batch item this thread paced runs no search (another run holds it): it counts
         no more in the rate budget's readings, as a search's end would have it."""
+        self._paced.checks = None
         if self.rate_budget is not None:
             self.rate_budget.ended()
+
+    def _take_paced(self) -> tuple[Callable[[], bool] | None, Callable[[], bool] | None] | None:
+        """The checks this thread's batch item was paced with (:meth:`pace`), taken: None for
+        a search that was not paced."""
+        paced: tuple[Callable[[], bool] | None, Callable[[], bool] | None] | None
+        paced = getattr(self._paced, "checks", None)
+        self._paced.checks = None
+        return paced
+
+    def _held_by_breaker(
+        self, paced: tuple[Callable[[], bool] | None, Callable[[], bool] | None]
+    ) -> bool:
+        """Whether a paced batch item, its CPU slot just held, is to wait again before its
+        search and deadline begin: the breaker opened while it waited for the slot (its
+        pacing let it start before the provider failed), so it would wait on the breaker
+        within its deadline, and fail ``budget_exhausted`` in an outage longer than that,
+        never having sent a call. Not once its batch is canceled: its search goes on to the
+        check before the model call, which cancels it."""
+        if self.rate_budget is None or not self.rate_budget.shut():
+            return False
+        canceled = paced[1]
+        return not (canceled is not None and canceled())
 
     def prepare(
         self, spec: SearchSpec, tenant: str, *, later: list[Callable[[], None]] | None = None
