@@ -39,6 +39,9 @@ from worker.core.query import normalise_query
 from worker.core.types import Candidate, RerankPrompt, TokenUsage
 from worker.errors import AttemptOutcome, Canceled, HandedBack, RunTakenOver
 
+# a paced batch item's checks (SearchPipeline.pace): is its worker stopping, its batch canceled
+PaceChecks = tuple[Callable[[], bool] | None, Callable[[], bool] | None]
+
 
 class SearchPipeline:
     """Runs one search end to end under one deadline.
@@ -240,17 +243,14 @@ class SearchPipeline:
         if self.rate_budget is not None:
             self.rate_budget.ended()
 
-    def _take_paced(self) -> tuple[Callable[[], bool] | None, Callable[[], bool] | None] | None:
+    def _take_paced(self) -> PaceChecks | None:
         """The checks this thread's batch item was paced with (:meth:`pace`), taken: None for
         a search that was not paced."""
-        paced: tuple[Callable[[], bool] | None, Callable[[], bool] | None] | None
-        paced = getattr(self._paced, "checks", None)
+        paced: PaceChecks | None = getattr(self._paced, "checks", None)
         self._paced.checks = None
         return paced
 
-    def _held_by_breaker(
-        self, paced: tuple[Callable[[], bool] | None, Callable[[], bool] | None]
-    ) -> bool:
+    def _held_by_breaker(self, paced: PaceChecks) -> bool:
         """Whether a paced batch item, its CPU slot just held, is to wait again before its
         search and deadline begin: the breaker opened while it waited for the slot (its
         pacing let it start before the provider failed), so it would wait on the breaker
