@@ -18,7 +18,15 @@ import httpx
 import pytest
 
 from tests.fake_anthropic import FakeAnthropic
-from tests.reliability.support import batch_counts, ingest, stack_env, submit_batch, wait_for
+from tests.reliability.support import (
+    batch_counts,
+    ingest,
+    sample_queries,
+    stack_env,
+    submit_batch,
+    submit_search,
+    wait_for,
+)
 from tests.services import gateway, redis_server
 from worker.processes.stack import child_env, worker_process
 
@@ -63,3 +71,40 @@ def test_a_first_batch_without_rate_limits_set_is_paced_on_the_limits_its_first_
     assert counts["statuses"] == {"200": ITEMS}, counts
     first, second = sorted(r["monotonic"] for r in requests)[:2]
     assert second >= first + MODEL_SECONDS, (first, second)  # the learner's answer came first
+
+
+@pytest.mark.timeout(240)
+def test_a_batch_that_reranks_nothing_does_not_wait_for_the_learner(tmp_path: Path) -> None:
+    """A batch of searches that do not rerank (``"rerank": false``) makes no model call: its
+    items are not paced on the rate budget, so they never wait for the learner. A reranked
+    search is out learning the limits (the fake holds its answer until a second request
+    comes in), and the batch finishes meanwhile: the fake received that one request only,
+    and answered none. Paced, each item waited for the learner's place (a day's backlog
+    while it is out), then took it in turn, one at a time: the batch finished only once the
+    learner's attempt had timed out (20 s) and its retry was answered."""
+    with (
+        redis_server(tmp_path / "redis") as url,
+        FakeAnthropic(rpm=RPM) as model,
+    ):
+        model.configure(hold_until_received=2)
+        env = stack_env(url + "/0", model.url)
+        env.pop("SIFT_WORKER_SOFT_SHUTDOWN_SECONDS")  # every setting at its default
+        with (
+            gateway(tmp_path / "g", env) as base,
+            httpx.Client(base_url=base, timeout=30) as client,
+            worker_process(tmp_path / "w", child_env(env, inherit_sift=False), processes=2),
+        ):
+            ingest(client)
+            submit_search(client, sample_queries()[0])  # reranked: the learner
+            wait_for(lambda: model.counts()["received"] == 1, "the learner's call came in", 60)
+            batch_id = submit_batch(client, 20, rerank=False)
+            wait_for(
+                lambda: batch_counts(client, batch_id)["finished_at"] is not None,
+                "the batch finished",
+                120,
+            )
+            counts = model.counts()
+            done = batch_counts(client, batch_id)
+            model.configure(hold_until_received=0)
+    assert done["counts"]["succeeded"] == 20, done["counts"]
+    assert counts["received"] == 1 and counts["statuses"] == {}, counts
