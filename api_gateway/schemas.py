@@ -167,9 +167,11 @@ class BatchOut(BaseModel):
     ``usage`` is the sum of its final items' usage: each result's, each failure's (attempts
     billed before it failed), each canceled item's billed rounds; ``cost_usd`` at the lane's
     price (the economy lane's is the Message Batches discount, half), ``null`` when any item
-    called a model with no price. It grows as items finish. ``usage``, ``rerank_outcomes``
-    and ``stage_seconds`` are ``null`` (unknown) for a batch an older Sift made, which did
-    not add up its items as they finished: never a zero that looks known."""
+    called a model with no price. It grows as items finish. ``failures`` counts its failed
+    items by error type, ``rerank_failures`` its ``rerank_failed`` ones by class: why they
+    failed, without reading its results. ``usage``, ``rerank_outcomes``, ``stage_seconds``,
+    ``failures`` and ``rerank_failures`` are ``null`` (unknown) for a batch an older Sift
+    made, which did not add up its items as they finished: never a zero that looks known."""
 
     id: str
     status: JobStatus
@@ -194,6 +196,20 @@ class BatchOut(BaseModel):
         "failure); an item that failed before its rerank, or was canceled, kept none. Where "
         "its time went. An economy item's rerank is its provider batch's wait. null when "
         "unknown, as usage.",
+    )
+    failures: dict[str, int] | None = Field(
+        default_factory=dict,
+        description="Its failed items by their error's type (rerank_failed, "
+        "deadline_exceeded, index_not_found, tenant_removed, ...): only the types some item "
+        "failed with, their sum counts.failed. It grows as items finish. null when unknown: "
+        "a batch an older Sift made, which did not count its failed items by kind.",
+    )
+    rerank_failures: dict[str, int] | None = Field(
+        default_factory=dict,
+        description="Its rerank_failed items by their error's reason, the rerank's failure "
+        "class (timeout, http_5xx, rate_limited, connection, http_4xx, malformed, refused, "
+        "budget_exhausted, deadline, no_generation_model): only the classes some item failed "
+        "with, their sum failures.rerank_failed. null when unknown, as failures.",
     )
     created_at: str
     finished_at: str | None = None

@@ -163,10 +163,12 @@ Received = tuple[bytes, dict[str, str]]
 
 def webhook_figures(job: Mapping[str, Any]) -> dict[str, Any]:
     """What a job's webhook body's ``data`` must be, from the job as its ``GET`` answers: a
-    batch's id, status, counts, usage and rerank outcomes (no results); a search's id,
-    status, usage (its result's, or its error's) and error type (no hits)."""
+    batch's id, status, counts, usage, rerank outcomes and failures by kind (no results); a
+    search's id, status, usage (its result's, or its error's) and error type (no hits)."""
     if "counts" in job:  # a batch
-        return {name: job[name] for name in ("id", "status", "counts", "usage", "rerank_outcomes")}
+        shown = ["id", "status", "counts", "usage", "rerank_outcomes"]
+        shown += ["failures", "rerank_failures"]
+        return {name: job[name] for name in shown}
     error = job["error"]
     usage = job["result"]["usage"] if job["result"] else error and error["usage"]
     return {

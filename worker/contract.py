@@ -453,13 +453,23 @@ class SearchResult(BaseModel):
 class ErrorInfo(BaseModel):
     """A typed failure, as the job record and the API show it. ``usage`` is what the model
     calls made before the failure used: attempts that failed may still have been billed.
+    ``reason``: a ``rerank_failed`` error's class (:class:`~worker.errors.RerankFailed`'s);
     ``trace``: a search that asked for its trace (``include_trace``) and failed its rerank
-    for good keeps it here; absent otherwise (not ``null``: the other errors' shape stands)."""
+    for good keeps it here; each absent otherwise (not ``null``: the other errors' shape
+    stands)."""
 
     type: str
     message: str
     retryable: bool = False
     usage: Usage | None = None
+    reason: str | None = Field(
+        default=None,
+        exclude_if=lambda value: value is None,
+        description="The rerank's failure class on a `rerank_failed` error, as its message "
+        "names it: its last attempt's (timeout, http_5xx, rate_limited, connection, http_4xx, "
+        "malformed, refused, budget_exhausted), deadline (no attempt left in its time) or "
+        "no_generation_model; absent on any other error.",
+    )
     trace: dict[str, Any] | None = Field(
         default=None,
         exclude_if=lambda value: value is None,

@@ -93,6 +93,8 @@ def batch_out(batch: BatchJob) -> BatchOut:
         if batch.rerank_outcomes is None
         else BatchRerankOutcomes(**batch.rerank_outcomes),
         stage_seconds=batch.stage_seconds,
+        failures=batch.failures,
+        rerank_failures=batch.rerank_failures,
         created_at=iso(batch.created_at) or "",
         finished_at=iso(batch.finished_at),
         canceled_at=iso(batch.canceled_at),

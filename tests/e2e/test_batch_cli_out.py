@@ -20,6 +20,7 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from tests.e2e.conftest import ACME, IDLE_BODY_LIMIT, INDEX, SAMPLE, Stack
+from tests.fake_anthropic import malformed, status
 from worker.cli import app
 
 
@@ -112,6 +113,27 @@ def test_a_reranked_batch_prints_what_its_model_calls_used_and_cost(
     listed = sift(stack, "batches", "--limit", "1")  # and its row in the list, with its cost
     assert listed.exit_code == 0, listed.output
     assert f"${cost:.6f}" in listed.output and "cost" in listed.output, listed.output
+
+
+def test_a_batch_s_summary_says_why_its_items_failed_by_kind_and_class(
+    stack: Stack, corpus: list[dict[str, object]], tmp_path: Path
+) -> None:
+    # under fail_closed, the first two calls answered 400 fail their items (http_4xx, never
+    # retried); the two items left take three malformed answers each (malformed)
+    queries = tmp_path / "queries.jsonl"
+    lines = [{"id": f"q{i}", "query": q} for i, q in enumerate(["tea", "bees", "leaves", "tea"])]
+    queries.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    stack.model.script([status(400), status(400)] + [malformed("no json here")] * 6)
+    out = tmp_path / "results.jsonl"
+    result = sift(stack, "batch", str(queries), "--index", INDEX, "--out", str(out), "--rerank")
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())
+    assert "4 failed (rerank_failed 4 (http_4xx 2, malformed 2)), 0 canceled of 4" in said, said
+    listed = sift(stack, "batches", "--limit", "1", "--json")  # the record's counts, as JSON
+    assert listed.exit_code == 0, listed.output
+    [entry] = json.loads(listed.stdout)
+    assert entry["failures"] == {"rerank_failed": 4}, entry
+    assert entry["rerank_failures"] == {"http_4xx": 2, "malformed": 2}, entry
 
 
 def test_a_batch_over_the_gateways_body_limit_says_so_and_what_to_do(

@@ -371,12 +371,14 @@ def test_a_batch_made_before_its_totals_were_kept_shows_them_unknown(stack: Stac
             assert store.start_item(old.id, qid)
             assert store.finish_item(old.id, qid, result=result).applied
         got = stack.live.get(f"/v1/batches/{old.id}", headers=ACME).json()
-        assert (got["usage"], got["rerank_outcomes"], got["stage_seconds"]) == (None,) * 3, got
+        totals = ("usage", "rerank_outcomes", "stage_seconds", "failures", "rerank_failures")
+        assert [got[name] for name in totals] == [None] * 5, got
         listed = stack.live.get("/v1/batches", headers=ACME).json()
         (entry,) = [b for b in listed["batches"] if b["id"] == old.id]
         assert entry["usage"] is None
         new = store.create_batch("acme", INDEX, items)
         got = stack.live.get(f"/v1/batches/{new.id}", headers=ACME).json()
         assert got["usage"]["cost_usd"] == 0.0 and got["rerank_outcomes"]["applied"] == 0, got
+        assert (got["failures"], got["rerank_failures"]) == ({}, {}), got
     finally:
         store.close()

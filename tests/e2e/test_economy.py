@@ -216,6 +216,14 @@ def test_errored_expired_and_malformed_requests_are_resubmitted_or_fail_by_polic
     # three provider batches for the first round, then the resubmissions of q0, q1, q2, q4
     resubmitted = [position_of(c) for b in stack.model.batches()[2:] for c in b["custom_ids"]]
     assert sorted(resubmitted) == [0, 1, 2, 4, 4]
+    # the batch tells why its items failed, each error's reason the class its message names
+    assert [results[q]["error"]["reason"] for q in ("q3", "q4", "q5")] == [
+        "http_4xx",
+        "http_5xx",
+        "refused",
+    ]
+    assert done["failures"] == {"rerank_failed": 3}
+    assert done["rerank_failures"] == {"http_4xx": 1, "http_5xx": 1, "refused": 1}
 
 
 def test_a_resubmitted_request_s_trace_tells_what_it_waited_to_be_sent_again(

@@ -72,6 +72,7 @@ def test_a_failed_search_has_a_typed_error(stack: Stack, corpus: object) -> None
     # docs/architecture.md's error table: not retryable
     assert job["error"]["type"] == "index_not_found", job
     assert job["error"]["retryable"] is False, job
+    assert "reason" not in job["error"], job  # a rerank_failed error's class alone
     message = "index 'no-such-index' does not exist: ingest documents into it first"
     assert job["error"]["message"] == message, job
     assert "result" not in job or job["result"] is None
@@ -296,6 +297,7 @@ def test_a_search_that_fails_its_rerank_keeps_the_trace_it_asked_for(
     assert job["status"] == "failed", job
     error = job["error"]
     assert error["type"] == "rerank_failed" and error["usage"]["requests"] == 3, error
+    assert error["reason"] == "http_5xx" and "(http_5xx)" in error["message"], error
     trace = error["trace"]
     assert [a["outcome"] for a in trace["attempts"]] == ["http_5xx"] * 3, trace
     assert trace["policy"] and trace["candidates"] and trace["model"], trace

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import queue
 import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 from standardwebhooks.webhooks import Webhook
 
 from tests.e2e.conftest import ACME, GLOBEX, INDEX, KEYS, MODEL, Stack, unpriced_stack
-from tests.fake_anthropic import USAGE_FIELDS, malformed
+from tests.fake_anthropic import USAGE_FIELDS, malformed, status
 from tests.services import (
     SHUTDOWN_POLL_SECONDS,
     Received,
@@ -136,6 +137,38 @@ def test_a_reranked_batch_s_webhook_carries_its_final_figures(
     expected = cost_usd(TokenUsage(**tokens), price_for(MODEL, DEFAULT_PRICES))
     assert expected is not None and expected > 0
     assert usage["cost_usd"] == pytest.approx(expected)
+
+
+def test_a_batch_tells_its_failures_by_kind_as_its_results_show_them(
+    stack: Stack, corpus: object, receiver: tuple[str, queue.Queue[Received]]
+) -> None:
+    """Why a batch's items failed, without reading its results: its ``GET``, its listing
+    entry and its webhook body count its failed items by error type (``failures``) and its
+    ``rerank_failed`` ones by class (``rerank_failures``), as the errors of its results say.
+    Under fail_closed, the first two calls answered 400 fail their two items at once
+    (``http_4xx``, never retried); the other two items, which alone are left to call, take
+    three malformed answers each (``malformed``, after their retries)."""
+    url, inbox = receiver
+    stack.model.script([status(400), status(400)] + [malformed("no json here")] * 6)
+    queries = ["green tea", "bees", "tea leaves", "green tea"]
+    batch_id = _batch(stack.live, url, queries, rerank=True)
+    data = _received(inbox)["data"]
+    batch = stack.live.get(f"/v1/batches/{batch_id}", headers=ACME).json()
+    page = stack.live.get(f"/v1/batches/{batch_id}/results", headers=ACME).json()
+    errors = [item["error"] for item in page["results"] if item["status"] == "failed"]
+    assert len(errors) == batch["counts"]["failed"] == 4, page
+    assert batch["failures"] == {"rerank_failed": 4}
+    assert batch["rerank_failures"] == {"http_4xx": 2, "malformed": 2}
+    assert batch["failures"] == Counter(error["type"] for error in errors)
+    assert batch["rerank_failures"] == Counter(error["reason"] for error in errors)
+    assert all(f"({error['reason']})" in error["message"] for error in errors), errors
+    assert data == webhook_figures(batch)
+    listed = stack.live.get("/v1/batches", headers=ACME).json()["batches"]
+    (entry,) = [b for b in listed if b["id"] == batch_id]
+    assert (entry["failures"], entry["rerank_failures"]) == (
+        batch["failures"],
+        batch["rerank_failures"],
+    )
 
 
 def test_a_failed_search_s_webhook_carries_its_error_type_and_billed_usage(

@@ -7,6 +7,7 @@ import json
 import random
 import threading
 import time
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -348,12 +349,34 @@ def test_a_finish_sent_again_or_late_adds_to_its_batchs_totals_once(
     monkeypatch.undo()
     assert not store.finish_item(batch.id, "q0", result=paid).applied
     assert store.start_item(batch.id, "q1")
-    failed = ErrorInfo(type="rerank_failed", message="x", usage=Usage(requests=1, cost_usd=None))
+    billed = Usage(requests=1, cost_usd=None)
+    failed = ErrorInfo(type="rerank_failed", message="x", usage=billed, reason="malformed")
+    monkeypatch.setattr("worker.queue.jobstore.store.move_token", lambda: "a-failure-token")
     assert store.finish_item(batch.id, "q1", error=failed).applied
+    assert store.finish_item(batch.id, "q1", error=failed).applied  # answered as it ran
+    monkeypatch.undo()
+    assert not store.finish_item(batch.id, "q1", error=failed).applied
     got = store.get_batch(batch.id)
     assert got is not None
     assert got.usage == Usage(requests=3, input_tokens=900, output_tokens=40, cost_usd=None)
     assert got.rerank_outcomes == {"applied": 1, "fallback": 0, "skipped": 0}
+    assert (got.failures, got.rerank_failures) == ({"rerank_failed": 1}, {"malformed": 1})
+
+
+def test_a_batch_made_before_its_failures_were_counted_shows_them_unknown(
+    store: JobStore,
+) -> None:
+    # made by a release that kept its totals but not its failures by kind: an item it failed
+    # before the upgrade was never counted so, and the one failed since is not all of them
+    batch = store.create_batch("acme", "docs", [("q0", spec()), ("q1", spec())])
+    store.redis.hdel(BATCH_KEY + batch.id, "totals_failures")  # as that release wrote it
+    assert store.start_item(batch.id, "q1")
+    late = ErrorInfo(type="rerank_failed", message="x", reason="timeout")
+    assert store.finish_item(batch.id, "q1", error=late).applied
+    got = store.get_batch(batch.id)
+    assert got is not None and got.counts["failed"] == 1
+    assert (got.failures, got.rerank_failures) == (None, None)
+    assert got.usage == Usage() and got.rerank_outcomes is not None  # those were kept
 
 
 def test_counts_never_drift_under_racing_redeliveries_and_cancel(store: JobStore) -> None:
@@ -447,8 +470,12 @@ def test_a_batchs_totals_are_its_final_items_summed_under_racing_finishes_and_ca
             )
             pick = rng.random()
             timed = {"queue_wait": rng.uniform(0, 9), "rerank": rng.random()}
-            if pick < 0.15:  # a failed rerank: its seconds count as its usage does
-                failed = ErrorInfo(type="rerank_failed", message="m", usage=used)
+            if pick < 0.05:  # a failure before its rerank: no class, no seconds
+                late = ErrorInfo(type="deadline_exceeded", message="m", usage=used)
+                store.finish_item(batch.id, qid, error=late)
+            elif pick < 0.15:  # a failed rerank: its seconds count as its usage does
+                why = rng.choice(["malformed", "timeout", "budget_exhausted"])
+                failed = ErrorInfo(type="rerank_failed", message="m", usage=used, reason=why)
                 failed._stage_seconds = timed
                 if store.finish_item(batch.id, qid, error=failed).applied:
                     seconds[qid] = timed
@@ -488,6 +515,12 @@ def test_a_batchs_totals_are_its_final_items_summed_under_racing_finishes_and_ca
     )
     assert sum(got.rerank_outcomes.values()) == got.counts["succeeded"] > 0
     assert got.counts["failed"] > 0 and got.counts["canceled"] > 0
+    # its failures by type, and its failed reranks by class, as its results show them
+    errors = [o["error"] for o in outcomes if "error" in o]
+    assert got.failures == Counter(e["type"] for e in errors)
+    assert got.rerank_failures == Counter(e["reason"] for e in errors if "reason" in e)
+    assert sum(got.failures.values()) == got.counts["failed"]
+    assert got.failures["deadline_exceeded"] > 0 and len(got.rerank_failures) == 3
 
 
 def test_a_batchs_stage_seconds_follow_the_pipeline_with_native_fusion(store: JobStore) -> None:

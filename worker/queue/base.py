@@ -35,7 +35,7 @@ from worker.constants import (
 from worker.contract import DocumentIn, ErrorInfo, SearchResult, SearchSpec
 from worker.core.pipeline import BeforeModel
 from worker.core.ports import AnswerKeeper
-from worker.errors import ConfigError, SiftError, TenantRemoved
+from worker.errors import ConfigError, RerankFailed, SiftError, TenantRemoved
 from worker.observability import metrics
 from worker.observability.logcontext import job_context
 from worker.queue.intake import INTAKE
@@ -347,6 +347,7 @@ def error_info(exc: BaseException) -> ErrorInfo:
             # no request sent (the rate budget refused the only attempt, or no model):
             # nothing billed, no usage (null), as for a failure before the rerank
             usage=exc.job_usage if exc.job_usage is not None and exc.job_usage.requests else None,
+            reason=exc.reason if isinstance(exc, RerankFailed) else None,
             trace=exc.job_trace,
         )
         info._stage_seconds = dict(exc.job_seconds or {})

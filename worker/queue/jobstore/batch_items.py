@@ -17,6 +17,11 @@ from worker.queue.jobstore.store import (
     _StoreCore,
 )
 
+# A batch's totals in its record, by field prefix: its failed items by their error's type
+# ("failure_rerank_failed") and its rerank_failed items by their class
+# ("rerank_failure_malformed"): both open sets, read back by prefix (batches.py)
+FAILURE_PREFIX = "failure_"
+RERANK_FAILURE_PREFIX = "rerank_failure_"
 # A batch's totals in its record: the usage its items' outcomes add (``_TRANSITION_ITEM``)
 _USAGE_TOKENS = (
     "requests",
@@ -33,11 +38,14 @@ def batch_tally(
     """What one final item adds to its batch's totals, as (field, increment) pairs: its
     usage (the result's, the error's, or a canceled item's billed ``usage``), each stage's
     seconds (the result's, or the error's up to its failure: time over the items cost is
-    counted over; a failed item's were left out) and, for a result, its rerank outcome. An
-    unknown cost counts as unpriced, never as 0.
+    counted over; a failed item's were left out), for a result, its rerank outcome, and for
+    a failure, its error's type (and a ``rerank_failed`` one's class). An unknown cost counts
+    as unpriced, never as 0.
 
     >>> batch_tally(usage=Usage(requests=1, input_tokens=10, cost_usd=None))[-2:]
     ['usage_unpriced', '1']
+    >>> batch_tally(error=ErrorInfo(type="rerank_failed", message="m", reason="malformed"))
+    ['failure_rerank_failed', '1', 'rerank_failure_malformed', '1']
     """
     used = result.usage if result is not None else error.usage if error is not None else usage
     pairs: list[str] = []
@@ -52,6 +60,10 @@ def batch_tally(
     if timed is not None:
         for stage, seconds in timed._stage_seconds.items():
             pairs += ["seconds_" + stage, repr(seconds)]
+    if error is not None:
+        pairs += [FAILURE_PREFIX + error.type, "1"]
+        if error.reason is not None:
+            pairs += [RERANK_FAILURE_PREFIX + error.reason, "1"]
     if error is not None and error.type == ERROR_TENANT_REMOVED:
         # the batch's webhook settles failed as it completes (scripts.py, _OWE_WEBHOOK)
         pairs += ["tenant_removed", "1"]

@@ -34,7 +34,11 @@ from worker.constants import (
     WEBHOOKS_OWED_KEY,
 )
 from worker.contract import JobStatus, SearchSpec, Usage
-from worker.queue.jobstore.batch_items import _USAGE_TOKENS
+from worker.queue.jobstore.batch_items import (
+    _USAGE_TOKENS,
+    FAILURE_PREFIX,
+    RERANK_FAILURE_PREFIX,
+)
 from worker.queue.jobstore.idempotency import (
     IdempotencyKeyBound,
     IdempotencyRef,
@@ -110,6 +114,9 @@ RERANK_OUTCOMES = ("applied", "fallback", "skipped")
 # (an older release's batch has none: items it finished were never added, so its totals
 # are unknown, not the sum of what the items finished since added)
 TOTALS_MARKER = ("totals", "1")
+# Written beside it since its items' failures are counted by kind (``failures``,
+# ``rerank_failures``): a batch made before kept its totals but not those, which are unknown
+FAILURES_MARKER = ("totals_failures", "1")
 # a search's stages in the order they run; slot_wait: its wait for a CPU slot (the trace's
 # slot_wait_seconds); rrf: both channels fused by the backend itself (Elasticsearch's
 # retriever, SIFT_ELASTICSEARCH_NATIVE_RRF), in place of bm25, knn and fuse
@@ -135,6 +142,21 @@ def _stage_seconds(raw: dict[str, str]) -> dict[str, float]:
     return dict(sorted(found.items(), key=lambda item: order.get(item[0], len(order))))
 
 
+def _by_prefix(raw: dict[str, str], prefix: str) -> dict[str, int]:
+    """The counts in a batch's record whose fields start with ``prefix``, by the rest of
+    their name, in name order (a kind no item ended with is absent, not 0).
+
+    >>> _by_prefix({"failure_timeout": "2", "failure_a": "1", "rerank": "1"}, "failure_")
+    {'a': 1, 'timeout': 2}
+    """
+    found = {
+        name.removeprefix(prefix): int(value)
+        for name, value in raw.items()
+        if name.startswith(prefix)
+    }
+    return dict(sorted(found.items()))
+
+
 def _batch_of(
     batch_id: str, raw: dict[str, str], counts: dict[str, str], *, owed: bool
 ) -> BatchJob | None:
@@ -144,6 +166,7 @@ def _batch_of(
         return None
     rerank = raw.get("rerank", "")
     known = raw.get(TOTALS_MARKER[0]) == TOTALS_MARKER[1]
+    failures_known = known and raw.get(FAILURES_MARKER[0]) == FAILURES_MARKER[1]
     return BatchJob(
         id=batch_id,
         tenant=raw["tenant"],
@@ -161,6 +184,8 @@ def _batch_of(
             {name: int(raw.get("rerank_" + name, 0)) for name in RERANK_OUTCOMES} if known else None
         ),
         stage_seconds=_stage_seconds(raw) if known else None,
+        failures=_by_prefix(raw, FAILURE_PREFIX) if failures_known else None,
+        rerank_failures=_by_prefix(raw, RERANK_FAILURE_PREFIX) if failures_known else None,
         webhook=webhook_state(raw, owed=owed),
     )
 
@@ -298,6 +323,7 @@ class BatchRecords(_StoreCore):
                 "total": str(batch.total),
                 "created_at": repr(batch.created_at),
                 TOTALS_MARKER[0]: TOTALS_MARKER[1],
+                FAILURES_MARKER[0]: FAILURES_MARKER[1],
             },
         )
         if owed_item > 0:

@@ -173,6 +173,11 @@ class BatchJob:
     usage: Usage | None = field(default_factory=Usage)
     rerank_outcomes: dict[str, int] | None = field(default_factory=dict)
     stage_seconds: dict[str, float] | None = field(default_factory=dict)
+    # its failed items by their error's type, and its rerank_failed ones by their class
+    # (ErrorInfo.reason): only the kinds that occurred; None: unknown, as usage, or made by
+    # a release that kept its totals but not these (jobstore/batches.py's FAILURES_MARKER)
+    failures: dict[str, int] | None = field(default_factory=dict)
+    rerank_failures: dict[str, int] | None = field(default_factory=dict)
     webhook: WebhookState | None = None  # None: no webhook_url, or an older Sift settled it
     # (how is not known: webhook_state)
 
@@ -243,8 +248,9 @@ _RERANK_OUTCOMES = ("applied", "fallback", "skipped")
 
 def webhook_figures(job: BatchJob | SearchJob) -> dict[str, Any]:
     """A finished job's final figures for its webhook body, as its ``GET`` shows them: a
-    batch's ``status``, ``counts``, ``usage`` (``cost_usd`` in it) and ``rerank_outcomes``
-    (each ``None`` when unknown: a batch an older release made); a
+    batch's ``status``, ``counts``, ``usage`` (``cost_usd`` in it), ``rerank_outcomes``,
+    ``failures`` and ``rerank_failures`` (each ``None`` when unknown: a batch an older
+    release made); a
     search's ``status``, ``usage`` (its result's, or its failure's billed attempts'; ``None``
     when it made no model call before failing) and ``error`` (its type) or ``None``. Never a
     search's hits nor a batch's results: the body stays small, the result is at the job's URL.
@@ -258,6 +264,8 @@ def webhook_figures(job: BatchJob | SearchJob) -> dict[str, Any]:
             "rerank_outcomes": None
             if job.rerank_outcomes is None
             else {name: job.rerank_outcomes.get(name, 0) for name in _RERANK_OUTCOMES},
+            "failures": job.failures,
+            "rerank_failures": job.rerank_failures,
         }
     usage = job.result.usage if job.result is not None else job.error and job.error.usage
     return {
