@@ -12,6 +12,8 @@ meters the batch at them. The batch is larger than the tier serves within a sear
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -37,6 +39,22 @@ ITEMS = 84  # the tier serves about 83 within a deadline: 54 at once (Sift's 90%
 MODEL_SECONDS = 0.3
 
 
+@contextmanager
+def stack(tmp_path: Path, model: FakeAnthropic) -> Iterator[httpx.Client]:
+    """A gateway's client on a fresh Redis, the sample corpus ingested, and a worker of two
+    processes, every setting at its default but the fake model's address."""
+    with redis_server(tmp_path / "redis") as url:
+        env = stack_env(url + "/0", model.url)
+        env.pop("SIFT_WORKER_SOFT_SHUTDOWN_SECONDS")
+        with (
+            gateway(tmp_path / "g", env) as base,
+            httpx.Client(base_url=base, timeout=30) as client,
+            worker_process(tmp_path / "w", child_env(env, inherit_sift=False), processes=2),
+        ):
+            ingest(client)
+            yield client
+
+
 @pytest.mark.timeout(300)
 def test_a_first_batch_without_rate_limits_set_is_paced_on_the_limits_its_first_answer_states(
     tmp_path: Path,
@@ -46,18 +64,8 @@ def test_a_first_batch_without_rate_limits_set_is_paced_on_the_limits_its_first_
     answer, the provider answers 45 of the calls 429, and 4 or 5 items end ``rerank_failed``
     (their retries answered 429 too, or held past their deadline by the limits learned
     meanwhile: ``budget_exhausted``)."""
-    with (
-        redis_server(tmp_path / "redis") as url,
-        FakeAnthropic(delay=MODEL_SECONDS, rpm=RPM) as model,
-    ):
-        env = stack_env(url + "/0", model.url)
-        env.pop("SIFT_WORKER_SOFT_SHUTDOWN_SECONDS")  # every setting at its default
-        with (
-            gateway(tmp_path / "g", env) as base,
-            httpx.Client(base_url=base, timeout=30) as client,
-            worker_process(tmp_path / "w", child_env(env, inherit_sift=False), processes=2),
-        ):
-            ingest(client)
+    with FakeAnthropic(delay=MODEL_SECONDS, rpm=RPM) as model:
+        with stack(tmp_path, model) as client:
             batch_id = submit_batch(client, ITEMS)
             wait_for(
                 lambda: batch_counts(client, batch_id)["finished_at"] is not None,
@@ -82,19 +90,9 @@ def test_a_batch_that_reranks_nothing_does_not_wait_for_the_learner(tmp_path: Pa
     and answered none. Paced, each item waited for the learner's place (a day's backlog
     while it is out), then took it in turn, one at a time: the batch finished only once the
     learner's attempt had timed out (20 s) and its retry was answered."""
-    with (
-        redis_server(tmp_path / "redis") as url,
-        FakeAnthropic(rpm=RPM) as model,
-    ):
+    with FakeAnthropic(rpm=RPM) as model:
         model.configure(hold_until_received=2)
-        env = stack_env(url + "/0", model.url)
-        env.pop("SIFT_WORKER_SOFT_SHUTDOWN_SECONDS")  # every setting at its default
-        with (
-            gateway(tmp_path / "g", env) as base,
-            httpx.Client(base_url=base, timeout=30) as client,
-            worker_process(tmp_path / "w", child_env(env, inherit_sift=False), processes=2),
-        ):
-            ingest(client)
+        with stack(tmp_path, model) as client:
             submit_search(client, sample_queries()[0])  # reranked: the learner
             wait_for(lambda: model.counts()["received"] == 1, "the learner's call came in", 60)
             batch_id = submit_batch(client, 20, rerank=False)
