@@ -164,7 +164,8 @@ Received = tuple[bytes, dict[str, str]]
 def webhook_figures(job: Mapping[str, Any]) -> dict[str, Any]:
     """What a job's webhook body's ``data`` must be, from the job as its ``GET`` answers: a
     batch's id, status, counts, usage, rerank outcomes and failures by kind (no results); a
-    search's id, status, usage (its result's, or its error's) and error type (no hits)."""
+    search's id, status, usage (its result's, or its error's) and error type and reason (no
+    hits)."""
     if "counts" in job:  # a batch
         shown = ["id", "status", "counts", "usage", "rerank_outcomes"]
         shown += ["failures", "rerank_failures"]
@@ -175,7 +176,7 @@ def webhook_figures(job: Mapping[str, Any]) -> dict[str, Any]:
         "id": job["id"],
         "status": job["status"],
         "usage": usage,
-        "error": error and {"type": error["type"]},
+        "error": error and {k: error[k] for k in ("type", "reason") if k in error},
     }
 
 

@@ -171,7 +171,7 @@ def test_a_batch_tells_its_failures_by_kind_as_its_results_show_them(
     )
 
 
-def test_a_failed_search_s_webhook_carries_its_error_type_and_billed_usage(
+def test_a_failed_search_s_webhook_carries_its_error_type_reason_and_billed_usage(
     stack: Stack, corpus: object, receiver: tuple[str, queue.Queue[Received]]
 ) -> None:
     url, inbox = receiver
@@ -182,7 +182,7 @@ def test_a_failed_search_s_webhook_carries_its_error_type_and_billed_usage(
     search = stack.live.get(f"/v1/searches/{job['id']}", headers=ACME).json()
     assert search["status"] == "failed", search
     assert data == webhook_figures(search)
-    assert data["error"] == {"type": "rerank_failed"}
+    assert data["error"] == {"type": "rerank_failed", "reason": "malformed"}
     assert data["usage"]["requests"] == 3 and data["usage"]["cost_usd"] > 0
     assert "result" not in data and "hits" not in json.dumps(data)
 

@@ -250,10 +250,10 @@ def webhook_figures(job: BatchJob | SearchJob) -> dict[str, Any]:
     """A finished job's final figures for its webhook body, as its ``GET`` shows them: a
     batch's ``status``, ``counts``, ``usage`` (``cost_usd`` in it), ``rerank_outcomes``,
     ``failures`` and ``rerank_failures`` (each ``None`` when unknown: a batch an older
-    release made); a
-    search's ``status``, ``usage`` (its result's, or its failure's billed attempts'; ``None``
-    when it made no model call before failing) and ``error`` (its type) or ``None``. Never a
-    search's hits nor a batch's results: the body stays small, the result is at the job's URL.
+    release made); a search's ``status``, ``usage`` (its result's, or its failure's billed
+    attempts'; ``None`` when it made no model call before failing) and ``error`` (its type,
+    and a ``rerank_failed`` one's ``reason``, its class) or ``None``. Never a search's hits
+    nor a batch's results: the body stays small, the result is at the job's URL.
     """
     if isinstance(job, BatchJob):
         counts = {"total": job.total} | {name: job.counts.get(name, 0) for name in _BATCH_COUNTS}
@@ -271,7 +271,7 @@ def webhook_figures(job: BatchJob | SearchJob) -> dict[str, Any]:
     return {
         "status": job.status.value,
         "usage": None if usage is None else usage.model_dump(),
-        "error": None if job.error is None else {"type": job.error.type},
+        "error": None if job.error is None else job.error.model_dump(include={"type", "reason"}),
     }
 
 
