@@ -452,6 +452,50 @@ def test_a_batch_item_that_took_the_learner_s_place_and_made_no_call_gives_it_up
     assert other.backlog() == 0.0  # the next learner
 
 
+def test_a_reading_of_the_learner_s_place_sent_before_its_holder_left_is_not_kept(
+    client: redis.Redis,
+) -> None:
+    """A thread reads the shared hash (the budget off) while the learner, another thread of
+    its process, is out; the learner gives its place up between the reading's send and its
+    use. The reading names the thread that left: kept, that thread's next call went as the
+    learner without the place, beside the learner another process took meanwhile (two out).
+    Redis is real; the hook runs the holder's settlement between the pipeline's answer and
+    its use."""
+    now = [100.0]  # the process reads the hash again only when this moves
+    one = RedisRateBudget(client, MODEL, clock=lambda: now[0])
+    other = RedisRateBudget(client, MODEL)
+    with ThreadPoolExecutor(1) as holder:  # the learner's thread
+        grant = holder.submit(one.reserve, PROMPT, 30.0).result()
+        assert grant.admitted  # the learner
+        real = client.pipeline
+        armed = [True]
+
+        def pipeline(*args: Any, **kwargs: Any) -> Any:
+            pipe = real(*args, **kwargs)
+            execute = pipe.execute
+
+            def execute_then_leave() -> Any:
+                answer = execute()  # names the holder: it is out
+                if armed[0]:
+                    armed[0] = False
+                    holder.submit(one.settle, grant, None, sent=False).result()  # it leaves
+                return answer
+
+            pipe.execute = execute_then_leave
+            return pipe
+
+        now[0] += OFF_REFRESH_SECONDS
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(client, "pipeline", pipeline)
+            reader = one.reserve(PROMPT, 30.0)  # this thread's reading; the place is free
+        assert not armed[0]  # the hook ran: the place was given up within the reading
+        taken = other.reserve(PROMPT, 30.0)  # another process, the place free: it learns
+        again = holder.submit(one.reserve, PROMPT, 30.0).result()  # no new reading (clock)
+    out = [grant for grant in (reader, taken, again) if grant.admitted]
+    assert len(out) == 1, (reader, taken, again)  # one learner out, the place's holder
+    assert client.exists(one.learner_key)  # held by the one out
+
+
 def test_a_learner_whose_process_died_lets_another_learn_after_its_lease(
     client: redis.Redis,
 ) -> None:

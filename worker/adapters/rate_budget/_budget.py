@@ -370,6 +370,10 @@ class RedisRateBudget:
         self._learner_script = client.register_script(LEARNER_SCRIPT)
         self.learner_key = f"{self.key}:learner"
         self._learner: str | None = None  # who held the learner's place at the last reading
+        # how many times a thread of this process gave the place up (_leave): a reading sent
+        # before one is not applied after it (it would name the thread that just left)
+        self._leaves = 0
+        self._learner_lock = threading.Lock()  # the count and the holder change together
         self._typical = (0.0, 0.0)  # the last call's input and output tokens, for backlog()
         self._paused = False
         # the last reading (below zero: room left), and when (this process's clock)
@@ -468,8 +472,9 @@ class RedisRateBudget:
         pipe.hmget(self.key, ["Lr", "Li", "Lo", "pause", "strikes"])
         pipe.time()
         pipe.get(self.learner_key)
+        leaves = self._leaves
         (rpm, itpm, otpm, pause, strikes), (seconds, micros), held = pipe.execute()
-        self._learner = _text(held) or None
+        self._read_learner(held, leaves)
         stored = RateLimit(rpm=_limit(rpm), itpm=_limit(itpm), otpm=_limit(otpm))
         if stored != RateLimit():
             self.learned = stored
@@ -489,10 +494,21 @@ class RedisRateBudget:
         token = f"{self.process}:{threading.get_ident()}"
         if self._learner is None:  # free at the last reading: take it, if it still is
             args: list[str | int] = [token, "take", LEARN_LEASE_SECONDS]
-            self._learner = _text(self._learner_script(keys=[self.learner_key], args=args))
+            leaves = self._leaves
+            self._read_learner(self._learner_script(keys=[self.learner_key], args=args), leaves)
         if self._learner == token:
             self._call.learning = True  # given up at its settlement, or its search's end
         return self._learner in (token, UNSTATED)
+
+    def _read_learner(self, held: bytes | str | None, leaves: int) -> None:
+        """Keep who holds the learner's place by a reading sent when this process had given
+        it up ``leaves`` times: not if a thread gave it up since (:meth:`_leave`), which the
+        reading may predate. Applied, a reading naming the thread that left made it the
+        learner again in this process's eyes: its next call went without the place, beside
+        the learner another process took meanwhile."""
+        with self._learner_lock:
+            if self._leaves == leaves:
+                self._learner = _text(held) or None
 
     def _leave(self, unstated: bool = False) -> None:
         """This thread's call was the learner's, or its batch item took the place and ends
@@ -513,7 +529,9 @@ class RedisRateBudget:
                 exc,
             )
             return
-        self._learner = UNSTATED if unstated else None
+        with self._learner_lock:
+            self._leaves += 1
+            self._learner = UNSTATED if unstated else None
 
     def backlog(self) -> float:
         """Seconds a call like the last one would wait now, once every process's items let
