@@ -230,6 +230,78 @@ def test_a_5xx_opens_the_breaker_for_every_process_then_one_probe_goes_alone(
     assert other.backlog() < OUTAGE_BACKLOG_SECONDS
 
 
+def _items_let_start(budget: RedisRateBudget, n: int) -> list[float]:
+    """What ``n`` batch items of ``budget``'s process, each on its own thread as a worker's
+    item pool runs them, read pacing at once (:meth:`RedisRateBudget.backlog`); those that
+    may go start (:meth:`RedisRateBudget.started`), and their threads stay for their call."""
+    together = threading.Barrier(n)
+
+    def item() -> float:
+        together.wait(timeout=10)  # n threads, all asking before any ends
+        reading = budget.backlog()
+        if reading < OUTAGE_BACKLOG_SECONDS:
+            budget.started()
+        together.wait(timeout=10)
+        return reading
+
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(lambda _: item(), range(n)))
+
+
+def test_a_half_open_breaker_lets_one_item_of_a_process_start_the_others_wait_for_the_probe(
+    client: redis.Redis,
+) -> None:
+    """The breaker's opening is over and no probe is out: of ten batch items pacing in a
+    process, one reads the backlog as usual and starts (the would-be probe), the others read
+    a day and keep pacing. They all started, and those beside the probe waited on the
+    breaker within their deadline: in an outage that outlasts the probe they ended
+    ``budget_exhausted`` with no call sent. Once the probe is out they still hold; its
+    failure (a 5xx, open again) holds them, and at the next half opening one starts again;
+    its answer (closed) lets them all go."""
+    now = [100.0]  # the process's clock: a reading is read again when it moves
+    budget = RedisRateBudget(client, MODEL, RateLimit(rpm=6000), clock=lambda: now[0])
+    budget.trip(None)
+    _half_open(client, budget.key)
+    now[0] += BACKLOG_REFRESH_SECONDS
+    readings = _items_let_start(budget, 10)
+    assert sum(reading < OUTAGE_BACKLOG_SECONDS for reading in readings) == 1, readings
+    prober = ThreadPoolExecutor(1)  # the item let start, on a thread of its own from here
+    with prober:
+        probe = prober.submit(budget.reserve, PROMPT, 30.0).result()
+        assert probe.admitted and probe.probe  # it went as the probe
+        assert all(r == OUTAGE_BACKLOG_SECONDS for r in _items_let_start(budget, 10))
+        budget.trip(None)  # the probe failed: open again
+        now[0] += BACKLOG_REFRESH_SECONDS
+        assert all(r == OUTAGE_BACKLOG_SECONDS for r in _items_let_start(budget, 10))
+        _half_open(client, budget.key)  # over again: one more would-be probe
+        now[0] += BACKLOG_REFRESH_SECONDS
+        readings = _items_let_start(budget, 10)
+        assert sum(reading < OUTAGE_BACKLOG_SECONDS for reading in readings) == 1, readings
+        probe = prober.submit(budget.reserve, PROMPT, 30.0).result()
+        assert probe.admitted and probe.probe
+        prober.submit(budget.settle, probe, TokenUsage(input_tokens=100, output_tokens=5)).result()
+    now[0] += BACKLOG_REFRESH_SECONDS  # answered: closed, every item goes
+    assert all(r < OUTAGE_BACKLOG_SECONDS for r in _items_let_start(budget, 10))
+
+
+def test_the_item_let_start_at_a_half_opening_that_ends_without_a_call_lets_the_next_start(
+    client: redis.Redis,
+) -> None:
+    """The would-be probe's search ended without a model call (no hit to rerank, a cancel):
+    the next item to ask starts in its place, not after the claim's idle time."""
+    now = [100.0]
+    budget = RedisRateBudget(client, MODEL, RateLimit(rpm=6000), clock=lambda: now[0])
+    budget.trip(None)
+    _half_open(client, budget.key)
+    now[0] += BACKLOG_REFRESH_SECONDS
+    with ThreadPoolExecutor(1) as item, ThreadPoolExecutor(1) as next_item:
+        assert item.submit(budget.backlog).result() < OUTAGE_BACKLOG_SECONDS
+        item.submit(budget.started).result()
+        assert next_item.submit(budget.backlog).result() == OUTAGE_BACKLOG_SECONDS
+        item.submit(budget.ended).result()  # its search ended, no call made
+        assert next_item.submit(budget.backlog).result() < OUTAGE_BACKLOG_SECONDS
+
+
 def test_each_5xx_in_a_row_opens_the_breaker_longer_or_for_its_retry_after(
     client: redis.Redis,
 ) -> None:

@@ -62,8 +62,11 @@ OFF_REFRESH_SECONDS = 0.2
 # probe is out, the backlog a batch paces on reads OUTAGE_BACKLOG_SECONDS: no new batch item
 # starts its search (and its deadline) against a provider that is down, nor one let start
 # before that gets its CPU slot meanwhile (shut(): it paces again, SearchPipeline.search).
-# Half open (the opening over, no probe out), it reads as usual: the items that look then
-# start, one to be the probe.
+# Half open (the opening over, no probe out), it reads as usual for one item of a process, the
+# would-be probe (backlog(): the first thread to ask then), and a day for its others until
+# the probe is answered (closed: they go) or fails (open again: they wait). That item's claim
+# ends at its reservation (the probe, or refused by another process's), at its search's end,
+# or once it has not asked for HALF_OPEN_CLAIM_SECONDS before it started (its pacing stopped).
 # The cap is the SDK's own longest back-off between retries (anthropic's MAX_RETRY_DELAY): one
 # probe every 8 s at most while an outage lasts, so a search that met its first 5xx is
 # answered within its deadline after an outage of two thirds of it (probes at 1, 3, 7, 15,
@@ -73,6 +76,7 @@ OUTAGE_MAX_SECONDS = 8.0
 PROBE_LEASE_SECONDS = 20.0
 PROBE_POLL_SECONDS = 1.0
 OUTAGE_BACKLOG_SECONDS = 86_400.0
+HALF_OPEN_CLAIM_SECONDS = 3.0  # twice a pacing's longest sleep between its readings
 
 # Learning the limits. While no limit is known (none set, learned or stored in the hash), one
 # call at a time goes out, the learner, whose answer's headers teach the limits to every
@@ -139,12 +143,14 @@ return held or ''
 # ended it, and another's probe is out since: that one stays); '' ends whichever is out (a
 # 429's pause).
 # Answers {admitted (1/0), seconds to wait, the backlog, 1 when the breaker refused it or,
-# admitted, when it is the probe} (strings: Lua numbers come back from Redis as integers). The
-# backlog is the reading a batch paces on: the seconds until a call like this one fits once it
-# is taken (when admitted) and once every process's pending items have theirs; below zero, the
-# bucket has room for that many seconds' worth more. Numbers are stored with 17 digits (Lua's
-# tostring keeps 14: a tenth of a millisecond of Redis's clock). Nothing but learned limits and
-# the caller's pending is written when it is not admitted.
+# admitted, when it is the probe, 1 when the breaker is half open (the opening over, no probe
+# out, this call not admitted as the probe)} (strings: Lua numbers come back from Redis as
+# integers). The backlog is the reading a batch paces on: the seconds until a call like this
+# one fits once it is taken (when admitted) and once every process's pending items have
+# theirs; below zero, the bucket has room for that many seconds' worth more; a day while the
+# breaker is open or its probe out (the call admitted as the probe included). Numbers are
+# stored with 17 digits (Lua's tostring keeps 14: a tenth of a millisecond of Redis's clock).
+# Nothing but learned limits and the caller's pending is written when it is not admitted.
 # Flagged allow-oom: what it writes is bounded, whatever the calls: one hash per lane and model
 # of a fixed set of fields (the three buckets and learned limits, the stamp, the pause, the
 # breaker's strikes, opening and probe mark), and one field per process in the pending hash
@@ -198,6 +204,8 @@ if strikes > 0 then
     shut = math.min(probe - now, tonumber(ARGV[27]))
   end
 end
+local half = 0  -- half open: the opening over, no probe out
+if strikes > 0 and shut == 0 then half = 1 end
 local restore = tonumber(ARGV[28]) == 1
 for d = 1, 3 do
   local learned = tonumber(ARGV[8 + d])
@@ -273,7 +281,7 @@ local function backlog(need)
   return num(math.max(pause - now, need + pending))
 end
 if max_wait == -2 then
-  return {0, num(wait), backlog(need_now), 0}
+  return {0, num(wait), backlog(need_now), 0, half}
 end
 if max_wait >= 0 and (shut > 0 or wait > max_wait) then
   if #writes > 0 then
@@ -281,9 +289,9 @@ if max_wait >= 0 and (shut > 0 or wait > max_wait) then
     redis.call('EXPIRE', key, ttl)
   end
   if shut > 0 then
-    return {0, num(shut), backlog(need_now), 1}
+    return {0, num(shut), backlog(need_now), 1, 0}
   end
-  return {0, num(wait), backlog(need_now), 0}
+  return {0, num(wait), backlog(need_now), 0, half}
 end
 local probing = 0
 if max_wait >= 0 and strikes > 0 then  -- half open: this call is the probe
@@ -300,7 +308,10 @@ table.insert(writes, 'at'); table.insert(writes, num(now))
 table.insert(writes, 'pause'); table.insert(writes, num(pause))
 redis.call('HSET', key, unpack(writes))
 redis.call('EXPIRE', key, ttl)
-return {1, num(wait), backlog(need_next), probing}
+if probing == 1 then  -- its probe is out now: the breaker holds the others
+  return {1, num(wait), num(OUTAGE_BACKLOG), 1, 0}
+end
+return {1, num(wait), backlog(need_next), 0, half}
 """.replace("OUTAGE_BACKLOG", repr(OUTAGE_BACKLOG_SECONDS))
 
 
@@ -379,6 +390,10 @@ class RedisRateBudget:
         # the last reading (below zero: room left), and when (this process's clock)
         self._backlog = (0.0, -math.inf)
         self._backlog_lock = threading.Lock()  # started() adds to the reading
+        # the last reading found the breaker half open; the item this process lets start
+        # then, the would-be probe: its thread, its ticket once started, when it last asked
+        self._half_open = False
+        self._half_claim: tuple[int, int | None, float] | None = None
         # the items let start and not yet reserved, and when (this process's clock); each
         # thread knows its own (self._call.started)
         self._pending: dict[int, float] = {}
@@ -409,10 +424,11 @@ class RedisRateBudget:
         answered: bool | None = False,
         restore: bool = False,
         probe: str = "",
-    ) -> tuple[bool, float, float, bool]:
+    ) -> tuple[bool, float, float, bool, bool]:
         """One script call; answers (admitted, wait, backlog, the breaker's part: refused by
-        it, or admitted as its probe) as :data:`BUDGET_SCRIPT` does. ``tell``: the call tells
-        the cluster this process's pending items, and its backlog counts every process's.
+        it, or admitted as its probe; the breaker half open) as :data:`BUDGET_SCRIPT` does.
+        ``tell``: the call tells the cluster this process's pending items, and its backlog
+        counts every process's.
         ``trip``: a call was answered 5xx, with this retry-after (0: none); ``answered``: a
         call was answered otherwise (True), or got no answer at all (None). ``restore``:
         ``learn`` is stored only where the hash holds no limit. ``probe``: the reservation's
@@ -449,8 +465,8 @@ class RedisRateBudget:
         ]
         self.script_calls += 1
         keys = [self.key, f"{self.key}:pending"]
-        admitted, wait, backlog, shut = self._script(keys=keys, args=args)
-        return bool(int(admitted)), float(wait), float(backlog), bool(int(shut))
+        admitted, wait, backlog, shut, half = self._script(keys=keys, args=args)
+        return bool(int(admitted)), float(wait), float(backlog), bool(int(shut)), bool(int(half))
 
     def _turned_on(self) -> bool:
         """Whether the budget is on (:attr:`active`), here or by what the shared hash holds:
@@ -540,15 +556,52 @@ class RedisRateBudget:
         reservation is one): a batch asks before each item. While no limit is known, 0 for
         the item that goes as the learner (:meth:`_may_send`), or for every item once an
         answer stated no limit; a day for the others while the learner is out: they start
-        their searches, and their deadlines, once the limits it learns can pace them."""
+        their searches, and their deadlines, once the limits it learns can pace them. While
+        the breaker is open or its probe out, a day; half open, a day for all but one thread
+        of the process (:meth:`_may_probe`)."""
         if not self._turned_on():
             return 0.0 if self._may_send() else OUTAGE_BACKLOG_SECONDS
         reading, read_at = self._backlog
         now = self._clock()
         if now - read_at >= BACKLOG_REFRESH_SECONDS:
-            reading = self._run((1, *self._typical), -2, tell=True)[2]
-            self._backlog = (reading, now)
+            _, _, reading, _, half = self._run((1, *self._typical), -2, tell=True)
+            self._read(reading, half, now)
+        if self._half_open and not self._may_probe(now):
+            return OUTAGE_BACKLOG_SECONDS
         return max(0.0, reading)
+
+    def _read(self, reading: float, half: bool, now: float) -> None:
+        """Keep a reading (the backlog, the breaker half open), taken at ``now``: the claim of
+        the item let start at a half opening ends with it, once the breaker is not."""
+        with self._backlog_lock:
+            self._backlog = (reading, now)
+            self._half_open = half
+            if not half:
+                self._half_claim = None
+
+    def _may_probe(self, now: float) -> bool:
+        """The breaker half open: whether this thread's item may start, as the would-be probe.
+        One item of the process may (the first to ask, until its claim ends), the others wait
+        for the probe's answer: all started then, those beside the probe waited on the breaker
+        within their deadline and, in an outage that outlasts the probe, ended
+        ``budget_exhausted`` with no call sent."""
+        me = threading.get_ident()
+        with self._backlog_lock:
+            claim = self._half_claim
+            if claim is not None and claim[0] != me:
+                ticket, asked = claim[1], claim[2]
+                live = ticket in self._pending if ticket is not None else False
+                if live or now - asked < HALF_OPEN_CLAIM_SECONDS:
+                    return False
+            self._half_claim = (me, getattr(self._call, "started", None), now)
+            return True
+
+    def _unclaim(self) -> None:
+        """This thread's item, let start at a half opening, reserved its call (as the probe,
+        or refused) or ended without one: another may start in its place."""
+        with self._backlog_lock:
+            if self._half_claim is not None and self._half_claim[0] == threading.get_ident():
+                self._half_claim = None
 
     def shut(self) -> bool:
         """Whether the breaker holds every call now (open, or its probe out), by the reading
@@ -567,14 +620,22 @@ class RedisRateBudget:
         with self._backlog_lock:
             self._pending.pop(getattr(self._call, "started", -1), None)  # one run before
             self._call.started = ticket = next(self._tickets)
-            self._pending[ticket] = self._clock()
+            self._pending[ticket] = now = self._clock()
             reading, read_at = self._backlog
             self._backlog = (reading + self._call_seconds(), read_at)
+            if self._half_claim is not None and self._half_claim[0] == threading.get_ident():
+                self._half_claim = (self._half_claim[0], ticket, now)  # held while it counts
 
     def ended(self) -> None:
         """This thread's item no longer counts as let start: it reserved its call, or its
         search ended without one. An item that took the learner's place for its call and
-        ends without one gives it up (:meth:`_leave`)."""
+        ends without one gives it up (:meth:`_leave`); one let start at a half opening of the
+        breaker, its claim (:meth:`_may_probe`)."""
+        self._end_item()
+        self._unclaim()
+
+    def _end_item(self) -> None:
+        """:meth:`ended` but for the claim at a half opening."""
         if getattr(self._call, "learning", False):
             self._leave()
         ticket = getattr(self._call, "started", None)
@@ -618,16 +679,17 @@ class RedisRateBudget:
             self._typical = (float(estimate), float(prompt.max_tokens))
             return BudgetGrant(admitted=True, wait=0.0)
         self._typical = (float(estimate), float(prompt.max_tokens))
-        self.ended()  # its call is reserved now, or refused: in the bucket, or not at all
+        self._end_item()  # its call is reserved now, or refused: in the bucket, or not at all
         take = (1, estimate, prompt.max_tokens)
         # what this process learned goes along, stored where the hash holds none: the hash
         # expired (a day without a call) or Redis lost it, and no call went out unmetered
         probe = uuid.uuid4().hex[:16]  # its probe mark's, should it be admitted as the probe
-        admitted, wait, reading, breaker = self._run(
+        admitted, wait, reading, breaker, half = self._run(
             take, max(0.0, max_wait), tell=True, learn=self.learned, restore=True, probe=probe
         )
         now = self._clock()
-        self._backlog = (reading, now)
+        self._read(reading, half, now)
+        self._unclaim()  # after the reading: the probe out (or another's) holds the others
         if not admitted:
             return BudgetGrant(admitted=False, wait=wait, shut=breaker)
         self._call.sent_at = now + wait
@@ -779,7 +841,7 @@ class RedisRateBudget:
         if not self._turned_on():
             metrics.budget_waited(self.model, self.lane, 0.0)
             return BudgetGrant(admitted=True, wait=0.0)
-        admitted, wait, _, _ = self._run((1, 0, 0), max(0.0, max_wait))
+        admitted, wait, *_ = self._run((1, 0, 0), max(0.0, max_wait))
         if admitted:
             metrics.budget_waited(self.model, self.lane, wait)
         return BudgetGrant(admitted=admitted, wait=wait)
