@@ -375,7 +375,7 @@ def refused_fields(mapping: dict[str, Any], prefix: str) -> set[str]:
     """The fields a 422 may name for ``mapping`` sent as ``prefix``: each entry whose key or
     value cannot be stored. Empty: the whole mapping must be accepted."""
     return {
-        f"{prefix}.{key}"
+        _key_field(prefix, key)
         for key, value in mapping.items()
         if not (STORABLE_KEY.fullmatch(key) and _storable(value))
     }
