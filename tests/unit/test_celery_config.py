@@ -147,3 +147,24 @@ def test_a_prefork_pool_left_at_the_threads_concurrency_gets_celery_s_one_child_
     assert prefork["worker_concurrency"] is None
     chosen = load_settings(redis_url=url, worker_pool="prefork", worker_concurrency=3)
     assert celery_config(chosen)["worker_concurrency"] == 3
+
+
+def test_a_message_fetched_for_a_queue_no_longer_consumed_goes_back_on_one_info_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A stop cancels the worker's consumers while a fetch may still be out: kombu then
+    delivers a message to a queue with no callback, and requeues it with a WARNING (``No
+    consumers``). The message goes back for another worker, as a hand-back does: INFO."""
+    from kombu import Connection
+
+    create_celery_app(load_settings(redis_url="redis://127.0.0.1:1/0"))
+    with Connection("memory://") as connection:
+        channel = connection.default_channel
+        channel.queue_declare("sift.batch")
+        channel.basic_publish(channel.prepare_message("{}"), exchange="", routing_key="sift.batch")
+        fetched = channel._get("sift.batch")  # as a fetch out when the consumer was cancelled
+        with caplog.at_level("INFO", logger="kombu.transport.virtual.base"):
+            channel.connection._deliver(fetched, "sift.batch")
+        assert channel._size("sift.batch") == 1  # back on its queue
+    (record,) = [r for r in caplog.records if "No consumers" in r.getMessage()]
+    assert record.levelname == "INFO", record.levelname

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from celery import Task
 from celery.exceptions import Reject, Retry
+from kombu.transport.virtual.base import W_NO_CONSUMERS
 from tenacity import RetryCallState, Retrying, wait_exponential, wait_random_exponential
 
 from worker.constants import (
@@ -70,6 +71,21 @@ class QuietHandBacks(logging.Filter):
 
 
 QUIET_HAND_BACKS = QuietHandBacks()  # one instance: adding it again changes nothing
+
+
+class QuietRequeues(logging.Filter):
+    """A stop cancels the worker's consumers while a fetch may still be out: kombu then gets
+    a message for a queue it no longer consumes and puts it back with a WARNING
+    (``Requeuing undeliverable message for queue ...: No consumers``). It goes back for
+    another worker, as a hand-back does: one INFO line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == W_NO_CONSUMERS:
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+QUIET_REQUEUES = QuietRequeues()
 
 RETRY_BASE_SECONDS = 1.0
 RETRY_CAP_SECONDS = 60.0

@@ -44,7 +44,7 @@ from worker.constants import (
     SEARCH_QUEUE,
     WARM_UP_STOP_WAIT_SECONDS,
 )
-from worker.queue.base import QUIET_HAND_BACKS
+from worker.queue.base import QUIET_HAND_BACKS, QUIET_REQUEUES
 from worker.queue.config import celery_config, visibility_timeout, warn_if_tombstones_too_short
 from worker.queue.intake import IntakeStep
 from worker.queue.redrive import ReconnectStep
@@ -376,6 +376,7 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
     after_setup_logger.connect(_job_ids_in_logs, weak=False, dispatch_uid="sift-log")
     after_setup_task_logger.connect(_job_ids_in_logs, weak=False, dispatch_uid="sift-task-log")
     logging.getLogger("celery.app.trace").addFilter(QUIET_HAND_BACKS)
+    logging.getLogger("kombu.transport.virtual.base").addFilter(QUIET_REQUEUES)
     import worker.queue.economy
     import worker.queue.rewrite_task
     import worker.queue.tasks
