@@ -785,6 +785,11 @@ class FakeAnthropic:
         """The provider's wall clock: the test's, ``clock_offset_seconds`` off."""
         return time.time() + self._state.config.clock_offset_seconds
 
+    @property
+    def config(self) -> FakeConfig:
+        """The settings it answers by now (:meth:`configure` changes them)."""
+        return self._state.config
+
     def configure(self, **changes: Any) -> None:
         """Change defaults (see :class:`FakeConfig`), e.g. ``configure(delay=1.0)``."""
         with self._lock:

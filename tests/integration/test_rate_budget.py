@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +32,14 @@ from worker.adapters.anthropic_batches import AnthropicMessageBatches
 from worker.adapters.rate_budget import (
     BACKLOG_REFRESH_SECONDS,
     BURST_FRACTION,
+    LEARN_LEASE_SECONDS,
     OFF_REFRESH_SECONDS,
     OUTAGE_BACKLOG_SECONDS,
     OUTAGE_FIRST_SECONDS,
     OUTAGE_MAX_SECONDS,
     PENDING_SECONDS,
     PROBE_POLL_SECONDS,
+    UNSTATED_SECONDS,
     BatchQueue,
     BatchQueueFull,
     MeteredBatches,
@@ -227,6 +230,78 @@ def test_a_5xx_opens_the_breaker_for_every_process_then_one_probe_goes_alone(
     assert other.backlog() < OUTAGE_BACKLOG_SECONDS
 
 
+def _items_let_start(budget: RedisRateBudget, n: int) -> list[float]:
+    """What ``n`` batch items of ``budget``'s process, each on its own thread as a worker's
+    item pool runs them, read pacing at once (:meth:`RedisRateBudget.backlog`); those that
+    may go start (:meth:`RedisRateBudget.started`), and their threads stay for their call."""
+    together = threading.Barrier(n)
+
+    def item() -> float:
+        together.wait(timeout=10)  # n threads, all asking before any ends
+        reading = budget.backlog()
+        if reading < OUTAGE_BACKLOG_SECONDS:
+            budget.started()
+        together.wait(timeout=10)
+        return reading
+
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(lambda _: item(), range(n)))
+
+
+def test_a_half_open_breaker_lets_one_item_of_a_process_start_the_others_wait_for_the_probe(
+    client: redis.Redis,
+) -> None:
+    """The breaker's opening is over and no probe is out: of ten batch items pacing in a
+    process, one reads the backlog as usual and starts (the would-be probe), the others read
+    a day and keep pacing. They all started, and those beside the probe waited on the
+    breaker within their deadline: in an outage that outlasts the probe they ended
+    ``budget_exhausted`` with no call sent. Once the probe is out they still hold; its
+    failure (a 5xx, open again) holds them, and at the next half opening one starts again;
+    its answer (closed) lets them all go."""
+    now = [100.0]  # the process's clock: a reading is read again when it moves
+    budget = RedisRateBudget(client, MODEL, RateLimit(rpm=6000), clock=lambda: now[0])
+    budget.trip(None)
+    _half_open(client, budget.key)
+    now[0] += BACKLOG_REFRESH_SECONDS
+    readings = _items_let_start(budget, 10)
+    assert sum(reading < OUTAGE_BACKLOG_SECONDS for reading in readings) == 1, readings
+    prober = ThreadPoolExecutor(1)  # the item let start, on a thread of its own from here
+    with prober:
+        probe = prober.submit(budget.reserve, PROMPT, 30.0).result()
+        assert probe.admitted and probe.probe  # it went as the probe
+        assert all(r == OUTAGE_BACKLOG_SECONDS for r in _items_let_start(budget, 10))
+        budget.trip(None)  # the probe failed: open again
+        now[0] += BACKLOG_REFRESH_SECONDS
+        assert all(r == OUTAGE_BACKLOG_SECONDS for r in _items_let_start(budget, 10))
+        _half_open(client, budget.key)  # over again: one more would-be probe
+        now[0] += BACKLOG_REFRESH_SECONDS
+        readings = _items_let_start(budget, 10)
+        assert sum(reading < OUTAGE_BACKLOG_SECONDS for reading in readings) == 1, readings
+        probe = prober.submit(budget.reserve, PROMPT, 30.0).result()
+        assert probe.admitted and probe.probe
+        prober.submit(budget.settle, probe, TokenUsage(input_tokens=100, output_tokens=5)).result()
+    now[0] += BACKLOG_REFRESH_SECONDS  # answered: closed, every item goes
+    assert all(r < OUTAGE_BACKLOG_SECONDS for r in _items_let_start(budget, 10))
+
+
+def test_the_item_let_start_at_a_half_opening_that_ends_without_a_call_lets_the_next_start(
+    client: redis.Redis,
+) -> None:
+    """The would-be probe's search ended without a model call (no hit to rerank, a cancel):
+    the next item to ask starts in its place, not after the claim's idle time."""
+    now = [100.0]
+    budget = RedisRateBudget(client, MODEL, RateLimit(rpm=6000), clock=lambda: now[0])
+    budget.trip(None)
+    _half_open(client, budget.key)
+    now[0] += BACKLOG_REFRESH_SECONDS
+    with ThreadPoolExecutor(1) as item, ThreadPoolExecutor(1) as next_item:
+        assert item.submit(budget.backlog).result() < OUTAGE_BACKLOG_SECONDS
+        item.submit(budget.started).result()
+        assert next_item.submit(budget.backlog).result() == OUTAGE_BACKLOG_SECONDS
+        item.submit(budget.ended).result()  # its search ended, no call made
+        assert next_item.submit(budget.backlog).result() < OUTAGE_BACKLOG_SECONDS
+
+
 def test_each_5xx_in_a_row_opens_the_breaker_longer_or_for_its_retry_after(
     client: redis.Redis,
 ) -> None:
@@ -340,6 +415,172 @@ def test_a_call_the_budget_let_through_while_off_is_counted_as_waiting_nothing(
     budget.sent(0.0)  # the search's call went out (the economy lane's call counts itself)
     assert counted() == before + 2
     assert not client.exists(budget.key)  # still off: not one Redis write
+
+
+def in_a_thread(budget: RedisRateBudget) -> Any:
+    """``budget.reserve(PROMPT, 30.0)`` from another thread of its process."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(budget.reserve, PROMPT, 30.0).result()
+
+
+def test_while_no_limit_is_known_one_call_learns_them_and_the_others_wait(
+    client: redis.Redis,
+) -> None:
+    """At the defaults (no ``SIFT_RATE_LIMITS``) the first call goes alone, the learner: every
+    other call, of its process or another, is refused while it is out (asked again every
+    0.2 s), and every batch item's pacing reads a day. Once its answer stated the limits,
+    the others are metered on them from their next reading. Every call went at once before
+    any answer was had, and a deployment's first batch overran the tier."""
+    now = [100.0]  # the other process's clock: it reads the hash at most every 0.2 s
+    one, other = (
+        RedisRateBudget(client, MODEL),
+        RedisRateBudget(client, MODEL, clock=lambda: now[0]),
+    )
+    grant = one.reserve(PROMPT, 30.0)
+    assert grant.admitted and grant.wait == 0.0  # the learner
+    assert 0 < client.ttl(one.learner_key) <= LEARN_LEASE_SECONDS
+    for waits in (other.reserve(PROMPT, 30.0), in_a_thread(one)):
+        assert not waits.admitted and waits.shut and waits.learning, waits
+        assert waits.wait == OFF_REFRESH_SECONDS
+    assert other.backlog() == OUTAGE_BACKLOG_SECONDS  # no batch item starts meanwhile
+    one.learn({"anthropic-ratelimit-requests-limit": "60"})
+    one.settle(grant, TokenUsage(input_tokens=100, output_tokens=10))
+    assert not client.exists(one.learner_key)  # its place given up
+    now[0] += OFF_REFRESH_SECONDS
+    assert other.backlog() == 0.0  # the bucket has room: items start again
+    admitted = 0
+    while other.reserve(PROMPT, 0.0).admitted:
+        admitted += 1
+    assert other.learned == RateLimit(rpm=60)
+    assert int(60 * BURST_FRACTION) <= admitted <= int(60 * BURST_FRACTION) + 2
+
+
+def test_an_answer_that_states_no_limit_lets_every_call_go_unmetered(
+    client: redis.Redis,
+) -> None:
+    """A provider (or a proxy before it) that states no limit in its answers must not leave
+    the cluster one call at a time: the learner's answer is remembered as stating none, for
+    an hour, and every call of every process goes at once meanwhile, nothing metered."""
+    one, other = RedisRateBudget(client, MODEL), RedisRateBudget(client, MODEL)
+    grant = one.reserve(PROMPT, 30.0)
+    assert grant.admitted
+    one.learn({"request-id": "req_1"})  # an answer, no limit stated
+    one.settle(grant, TokenUsage(input_tokens=100, output_tokens=10))
+    assert client.get(one.learner_key) == b"unstated"
+    assert UNSTATED_SECONDS - 5 <= client.ttl(one.learner_key) <= UNSTATED_SECONDS
+    assert all(other.reserve(PROMPT, 0.0).admitted for _ in range(50))
+    assert in_a_thread(one).admitted and in_a_thread(other).admitted
+    assert other.backlog() == 0.0
+    assert not client.exists(one.key)  # nothing metered
+
+
+@pytest.mark.parametrize(
+    "ended",
+    [
+        lambda budget, grant: budget.settle(grant, None),  # no answer: a timeout
+        lambda budget, grant: budget.settle(grant, TokenUsage(), sent=False),  # never sent
+        lambda budget, grant: budget.settle(grant, TokenUsage(), closes=False),  # a 429
+    ],
+    ids=["no-answer", "unsent", "429"],
+)
+def test_a_learner_that_learned_nothing_gives_its_place_to_the_next_call(
+    client: redis.Redis, ended: Callable[[RedisRateBudget, Any], None]
+) -> None:
+    """The learner's call got no answer, was never sent, or was answered 429 (no limit
+    stated): the next call learns at once, rather than after the place's lease (20 s of
+    every call held)."""
+    now = [100.0]
+    one, other = (
+        RedisRateBudget(client, MODEL),
+        RedisRateBudget(client, MODEL, clock=lambda: now[0]),
+    )
+    assert one.backlog() == 0.0  # a batch item goes as the learner
+    grant = one.reserve(PROMPT, 30.0)
+    assert grant.admitted  # the place its pacing took
+    assert other.reserve(PROMPT, 30.0).learning
+    ended(one, grant)
+    assert not client.exists(one.learner_key)
+    now[0] += OFF_REFRESH_SECONDS
+    assert other.reserve(PROMPT, 30.0).admitted  # the next learner
+    assert client.exists(other.learner_key)
+
+
+def test_a_batch_item_that_took_the_learner_s_place_and_made_no_call_gives_it_up(
+    client: redis.Redis,
+) -> None:
+    """A batch item whose pacing took the learner's place, its search ended without a model
+    call (no hit to rerank, a cancel): the next item learns at once."""
+    now = [100.0]
+    one, other = (
+        RedisRateBudget(client, MODEL),
+        RedisRateBudget(client, MODEL, clock=lambda: now[0]),
+    )
+    assert one.backlog() == 0.0  # it goes, as the learner
+    assert other.backlog() == OUTAGE_BACKLOG_SECONDS
+    one.started()
+    one.ended()
+    assert not client.exists(one.learner_key)
+    now[0] += OFF_REFRESH_SECONDS
+    assert other.backlog() == 0.0  # the next learner
+
+
+def test_a_reading_of_the_learner_s_place_sent_before_its_holder_left_is_not_kept(
+    client: redis.Redis,
+) -> None:
+    """A thread reads the shared hash (the budget off) while the learner, another thread of
+    its process, is out; the learner gives its place up between the reading's send and its
+    use. The reading names the thread that left: kept, that thread's next call went as the
+    learner without the place, beside the learner another process took meanwhile (two out).
+    Redis is real; the hook runs the holder's settlement between the pipeline's answer and
+    its use."""
+    now = [100.0]  # the process reads the hash again only when this moves
+    one = RedisRateBudget(client, MODEL, clock=lambda: now[0])
+    other = RedisRateBudget(client, MODEL)
+    with ThreadPoolExecutor(1) as holder:  # the learner's thread
+        grant = holder.submit(one.reserve, PROMPT, 30.0).result()
+        assert grant.admitted  # the learner
+        real = client.pipeline
+        armed = [True]
+
+        def pipeline(*args: Any, **kwargs: Any) -> Any:
+            pipe = real(*args, **kwargs)
+            execute = pipe.execute
+
+            def execute_then_leave() -> Any:
+                answer = execute()  # names the holder: it is out
+                if armed[0]:
+                    armed[0] = False
+                    holder.submit(one.settle, grant, None, sent=False).result()  # it leaves
+                return answer
+
+            pipe.execute = execute_then_leave
+            return pipe
+
+        now[0] += OFF_REFRESH_SECONDS
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(client, "pipeline", pipeline)
+            reader = one.reserve(PROMPT, 30.0)  # this thread's reading; the place is free
+        assert not armed[0]  # the hook ran: the place was given up within the reading
+        taken = other.reserve(PROMPT, 30.0)  # another process, the place free: it learns
+        again = holder.submit(one.reserve, PROMPT, 30.0).result()  # no new reading (clock)
+    out = [grant for grant in (reader, taken, again) if grant.admitted]
+    assert len(out) == 1, (reader, taken, again)  # one learner out, the place's holder
+    assert client.exists(one.learner_key)  # held by the one out
+
+
+def test_a_learner_whose_process_died_lets_another_learn_after_its_lease(
+    client: redis.Redis,
+) -> None:
+    now = [100.0]
+    one, other = (
+        RedisRateBudget(client, MODEL),
+        RedisRateBudget(client, MODEL, clock=lambda: now[0]),
+    )
+    assert one.reserve(PROMPT, 30.0).admitted  # and its process is killed
+    assert other.reserve(PROMPT, 30.0).learning
+    client.delete(one.learner_key)  # its lease ran out
+    now[0] += OFF_REFRESH_SECONDS
+    assert other.reserve(PROMPT, 30.0).admitted
 
 
 # --- through the pipeline, with the real SDK against the fake Messages API ------------------
@@ -988,6 +1229,93 @@ def test_a_429_pauses_the_searches_of_a_process_that_had_no_answer_yet(
     assert result.rerank.fallback_reason == "error:budget_exhausted"
     assert result.usage.requests == 0
     assert budget.learned == RateLimit(rpm=6000, itpm=10_000_000)  # the first one's
+
+
+def test_a_search_waiting_for_the_learner_is_sent_on_the_limits_it_learned(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    """Another process's call is out learning the limits: the search waits (its attempt
+    sends nothing meanwhile), and is metered and sent once that answer stored them. Its wait
+    is in its trace's ``budget_wait_seconds`` and in ``sift_rate_budget_wait_seconds``, as
+    every wait for the budget is."""
+    labels = {"model": MODEL, "lane": "standard"}
+    learner = RedisRateBudget(client, MODEL)  # another process's
+    grant = learner.reserve(PROMPT, 30.0)
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:  # the learner's answer comes in its first wait
+        if not slept:
+            learner.learn({"anthropic-ratelimit-requests-limit": "6000"})
+            learner.settle(grant, TokenUsage(input_tokens=100, output_tokens=10))
+        slept.append(seconds)
+        time.sleep(seconds)
+
+    def observed() -> tuple[float, float]:
+        return (
+            REGISTRY.get_sample_value("sift_rate_budget_wait_seconds_sum", labels) or 0.0,
+            REGISTRY.get_sample_value("sift_rate_budget_wait_seconds_count", labels) or 0.0,
+        )
+
+    pipeline, budget = build(fake, client, "fail_closed", None, RecordingRecorder(), sleep=sleep)
+    total, calls = observed()
+    result = search(pipeline)
+    assert result.rerank.applied is True and len(fake.requests()) == 1
+    assert budget.learned == RateLimit(rpm=6000)  # metered: on the limits the learner stored
+    waited = result.trace["attempts"][0]["budget_wait_seconds"]
+    assert slept and waited == pytest.approx(sum(slept))
+    now_total, now_calls = observed()
+    assert now_calls == calls + 1 and now_total - total == pytest.approx(waited)
+
+
+def test_a_search_the_learner_holds_past_its_deadline_sends_nothing(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    """Another process's call is out learning the limits past the search's deadline (its
+    answer slow, or its process dead and its place's lease not over): the search's attempt
+    is ``budget_exhausted`` at its deadline, nothing sent, its message saying why."""
+    assert RedisRateBudget(client, MODEL).reserve(PROMPT, 30.0).admitted  # out, learning
+    clock = FakeClock()
+    pipeline, _ = build(
+        fake, client, "fail_closed", None, RecordingRecorder(),
+        deadline=3.0, clock=clock, sleep=clock.sleep,
+    )  # fmt: skip
+    with pytest.raises(RerankFailed) as failed:
+        search(pipeline)
+    assert failed.value.reason == "budget_exhausted"
+    assert "learning the provider's limits" in str(failed.value)
+    assert fake.requests() == []
+    assert 3.0 / 2 < sum(clock.sleeps) <= 3.0  # it waited, within its deadline
+
+
+def test_a_batch_item_pacing_while_another_call_learns_stops_or_is_let_go(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    """While another process's call is out learning the limits, a batch item waits in its
+    pacing (its search, and its deadline, not started), and stops there once its worker is
+    stopping (:class:`HandedBack`), or goes on once its batch is canceled (its search's
+    check cancels it), as it does waiting on the budget's queue."""
+    assert RedisRateBudget(client, MODEL).reserve(PROMPT, 30.0).admitted  # out, learning
+    settings = load_settings(rerank_enabled=True, generation_model=f"anthropic:{MODEL}")
+    slept: list[float] = []
+    pipeline = pacing_pipeline(settings, RedisRateBudget(client, MODEL), slept.append)
+    with pytest.raises(HandedBack):
+        pipeline.pace(stopping=lambda: len(slept) >= 2)
+    assert len(slept) == 2
+    pipeline.pace(canceled=lambda: len(slept) >= 3)
+    assert len(slept) == 3 and fake.requests() == []
+
+
+def test_a_learner_s_answer_whose_settlement_meets_redis_gone_is_shown(
+    fake: fa.FakeAnthropic, gone: tuple[redis.Redis, Callable[[], None]]
+) -> None:
+    """Redis stops while the learner's call is out: giving its place up meets the connection
+    refused, and is logged (the place's lease ends it); the search shows its answer."""
+    client, stop_redis = gone
+    pipeline, _ = build(fake, client, "fail_open", None, RecordingRecorder(), answered=stop_redis)
+    result = search(pipeline)
+    assert result.rerank.applied is True and len(fake.requests()) == 1
+    with pytest.raises(redis.ConnectionError):
+        client.ping()  # the premise: Redis gone
 
 
 def test_an_attempt_the_process_limiter_never_sent_neither_pauses_the_cluster_nor_counts(

@@ -115,6 +115,28 @@ def submit_search(client: httpx.Client, query: str, *, webhook_url: str | None =
     return str(response.json()["id"])
 
 
+def answered_once(client: httpx.Client, model: FakeAnthropic) -> None:
+    """One reranked search answered at once, whatever the model holds, then the model's
+    record forgotten (:meth:`FakeAnthropic.reset`) and its holds put back: the deployment
+    has had its first answer, as any deployment past its first call has. A test that holds
+    the model's answers to have several calls in flight at once needs it: on a deployment
+    that never had an answer, the shared rate budget sends the first call alone, to learn
+    the provider's limits from it, and the others wait for its answer (docs/queue.md)."""
+    held = model.config
+    model.configure(hold_until_received=0, hold_unscripted=False)
+    job_id = submit_search(client, sample_queries()[0])
+    path = f"/v1/searches/{job_id}"
+    wait_for(
+        lambda: client.get(path, headers=ACME).json()["status"] == "succeeded",
+        "the deployment's first answer",
+        60,
+    )
+    model.reset()
+    model.configure(
+        hold_until_received=held.hold_until_received, hold_unscripted=held.hold_unscripted
+    )
+
+
 def submit_batch(
     client: httpx.Client,
     n: int,

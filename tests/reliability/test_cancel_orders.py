@@ -28,6 +28,7 @@ from tests.reliability.support import (
     INDEX,
     Receiver,
     all_results,
+    answered_once,
     batch_counts,
     ingest,
     sample_queries,
@@ -62,12 +63,15 @@ def stack(tmp_path: Path) -> Iterator[OrderStack]:
 def running(
     tmp: Path, stack: OrderStack, model: FakeAnthropic
 ) -> Iterator[tuple[httpx.Client, dict[str, str]]]:
-    """The gateway against ``model``; yields its client and the workers' environment."""
+    """The gateway against ``model``, the sample ingested and the deployment's first answer
+    had (:func:`answered_once`: the tests hold the model's answers); yields its client and
+    the workers' environment."""
     env = {**stack.env, "ANTHROPIC_BASE_URL": model.url}
     with gateway(tmp / "g", env) as base, httpx.Client(base_url=base, timeout=30) as client:
         ingest_worker = {**env, "SIFT_WORKER_METRICS_PORT": "0"}
         with worker(tmp / "ingest", ingest_worker, "ingest"):
             ingest(client)
+            answered_once(client, model)
         yield client, env
 
 

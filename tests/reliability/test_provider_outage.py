@@ -9,6 +9,10 @@ spending their retry budget on a provider that is down. Before it, every item se
 attempts into the outage within a few seconds and failed ``rerank_failed``. An outage longer
 than the deadline fails the items whose calls met it, not the items still waiting for their
 CPU slot (they pace again).
+
+The deployment has had an answer before the outage (a one-item batch): its very first call is
+the budget's learner, sent alone, and one meeting an outage is the only search in flight,
+which goes as each probe and may spend its attempts on them (docs/queue.md).
 """
 
 from __future__ import annotations
@@ -50,6 +54,9 @@ def test_a_529_outage_shorter_than_the_deadline_fails_no_item_and_is_probed_not_
             celery_worker(tmp_path / "w", env, "w"),
         ):
             ingest(client)
+            first = submit_batch(client, 1)  # the deployment's first answer: it states no limit
+            wait_for(lambda: batch_counts(client, first)["finished_at"] is not None, "first", 60)
+            model.reset()
             model.outage(OUTAGE_SECONDS, (529,))
             batch_id = submit_batch(client, ITEMS)
             wait_for(

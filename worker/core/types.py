@@ -164,7 +164,8 @@ class BudgetGrant:
     ``input_tokens``/``output_tokens`` are what was reserved, for the settlement;
     ``raw_input`` the uncorrected estimate, which the settlement calibrates against.
     ``shut``: not admitted because the provider is failing (a 5xx opened the budget's
-    breaker, or its one probe call is out): ask again in ``wait`` seconds.
+    breaker, or its one probe call is out), or, ``learning`` too, because no limit is known
+    yet and another call is out learning them: ask again in ``wait`` seconds.
     ``probe``: admitted as the breaker's one probe (half open), the id its probe mark holds
     ('' : not the probe); given back unsent, or getting no answer, it lets the next call
     probe at once, and only while that mark is still its own.
@@ -177,3 +178,4 @@ class BudgetGrant:
     raw_input: float = 0.0
     shut: bool = False
     probe: str = ""
+    learning: bool = False

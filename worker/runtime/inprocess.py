@@ -81,6 +81,10 @@ class Runtime:
         is, or ``canceled`` that its batch is (:meth:`SearchPipeline.pace`)."""
         self.pipeline.pace(stopping, canceled)
 
+    def reranks(self, spec: SearchSpec) -> bool:
+        """Whether ``spec``'s search asks the model (:meth:`SearchPipeline.reranks`)."""
+        return self.pipeline.reranks(spec)
+
     def unpace(self) -> None:
         """A batch item paced that runs no search (:meth:`SearchPipeline.unpace`)."""
         self.pipeline.unpace()

@@ -28,13 +28,15 @@ on Redis's clock).
 
 The limits come from ``SIFT_RATE_LIMITS``, or are learned from the provider's
 ``anthropic-ratelimit-*-limit`` response headers (:meth:`RedisRateBudget.learn`; what one
-process learns, the script stores for all); with both, the lower one holds. The headers'
-``-remaining`` (or, without it, ``-reset``: when the provider's bucket is full again) say how
-much the provider's bucket holds: where that is less than Sift's bucket believes (another
-client of the organisation draws on the same limit), the settlement of the call lowers
-Sift's to match, in the same script call (never raising it). Input tokens are estimated from
-the prompt's characters (:class:`TokenEstimator`), corrected by the ratio of reported to
-estimated usage.
+process learns, the script stores for all); with both, the lower one holds. While none is
+known, one call at a time goes out, cluster-wide, to learn them (its place a key of its own,
+``<key>:learner``), the others waiting for its answer; one that states no limit lets every
+call go unmetered for an hour. The headers' ``-remaining`` (or, without it, ``-reset``:
+when the provider's bucket is full again) say how much the provider's bucket holds: where
+that is less than Sift's bucket believes (another client of the organisation draws on the
+same limit), the settlement of the call lowers Sift's to match, in the same script call
+(never raising it). Input tokens are estimated from the prompt's characters
+(:class:`TokenEstimator`), corrected by the ratio of reported to estimated usage.
 
 The economy lane (Message Batches) has limits of its own at the provider: its calls draw on
 a bucket of their own (``lane="economy"``, :class:`MeteredBatches`), so a batch's polls and
@@ -54,6 +56,7 @@ from worker.adapters.rate_budget._batches import BatchQueue, BatchQueueFull
 from worker.adapters.rate_budget._budget import BACKLOG_REFRESH_SECONDS as BACKLOG_REFRESH_SECONDS
 from worker.adapters.rate_budget._budget import BUDGET_SCRIPT, RedisRateBudget, TokenEstimator
 from worker.adapters.rate_budget._budget import BURST_FRACTION as BURST_FRACTION
+from worker.adapters.rate_budget._budget import LEARN_LEASE_SECONDS as LEARN_LEASE_SECONDS
 from worker.adapters.rate_budget._budget import OFF_REFRESH_SECONDS as OFF_REFRESH_SECONDS
 from worker.adapters.rate_budget._budget import OUTAGE_BACKLOG_SECONDS as OUTAGE_BACKLOG_SECONDS
 from worker.adapters.rate_budget._budget import OUTAGE_FIRST_SECONDS as OUTAGE_FIRST_SECONDS
@@ -61,6 +64,7 @@ from worker.adapters.rate_budget._budget import OUTAGE_MAX_SECONDS as OUTAGE_MAX
 from worker.adapters.rate_budget._budget import PENDING_SECONDS as PENDING_SECONDS
 from worker.adapters.rate_budget._budget import PENDING_STALE_SECONDS as PENDING_STALE_SECONDS
 from worker.adapters.rate_budget._budget import PROBE_POLL_SECONDS as PROBE_POLL_SECONDS
+from worker.adapters.rate_budget._budget import UNSTATED_SECONDS as UNSTATED_SECONDS
 from worker.adapters.rate_budget._headers import limits_from_headers, remaining_from_headers
 
 if TYPE_CHECKING:

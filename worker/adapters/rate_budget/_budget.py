@@ -62,8 +62,11 @@ OFF_REFRESH_SECONDS = 0.2
 # probe is out, the backlog a batch paces on reads OUTAGE_BACKLOG_SECONDS: no new batch item
 # starts its search (and its deadline) against a provider that is down, nor one let start
 # before that gets its CPU slot meanwhile (shut(): it paces again, SearchPipeline.search).
-# Half open (the opening over, no probe out), it reads as usual: the items that look then
-# start, one to be the probe.
+# Half open (the opening over, no probe out), it reads as usual for one item of a process, the
+# would-be probe (backlog(): the first thread to ask then), and a day for its others until
+# the probe is answered (closed: they go) or fails (open again: they wait). That item's claim
+# ends at its reservation (the probe, or refused by another process's), at its search's end,
+# or once it has not asked for HALF_OPEN_CLAIM_SECONDS before it started (its pacing stopped).
 # The cap is the SDK's own longest back-off between retries (anthropic's MAX_RETRY_DELAY): one
 # probe every 8 s at most while an outage lasts, so a search that met its first 5xx is
 # answered within its deadline after an outage of two thirds of it (probes at 1, 3, 7, 15,
@@ -73,6 +76,44 @@ OUTAGE_MAX_SECONDS = 8.0
 PROBE_LEASE_SECONDS = 20.0
 PROBE_POLL_SECONDS = 1.0
 OUTAGE_BACKLOG_SECONDS = 86_400.0
+HALF_OPEN_CLAIM_SECONDS = 3.0  # twice a pacing's longest sleep between its readings
+
+# Learning the limits. While no limit is known (none set, learned or stored in the hash), one
+# call at a time goes out, the learner, whose answer's headers teach the limits to every
+# process: its place is a key (:data:`LEARNER_SCRIPT`) held for LEARN_LEASE_SECONDS at most
+# (an attempt's default timeout, should its process die). Meanwhile the other calls wait for
+# the limits to appear in the hash (read every OFF_REFRESH_SECONDS), or for the place to be
+# free, and the backlog a batch paces on reads OUTAGE_BACKLOG_SECONDS: a deployment's first
+# batch starts its items once the limits can pace them, not all at once into the provider's
+# 429s and past the deadlines the limits learned then hold them to. An answer that states no
+# limit (a proxy that strips the headers) leaves the place as UNSTATED for UNSTATED_SECONDS:
+# every call goes at once, unmetered, until then, and one call learns again after it.
+LEARN_LEASE_SECONDS = round(PROBE_LEASE_SECONDS)  # whole seconds: a key's EX
+UNSTATED = "unstated"
+UNSTATED_SECONDS = 3_600
+
+# KEYS[1]: the learner's place. ARGV[1]: the caller's token (its process and thread); ARGV[2]:
+# 'take' (the place, if it is free: answers who holds it now, the caller included), 'drop'
+# (the caller gives its place up: the next call may learn) or 'unstated' (the caller's answer
+# stated no limit); ARGV[3]: how long what is set lasts, in seconds. 'drop' and 'unstated' act
+# only while the place is the caller's; they answer who held it. Flagged allow-oom as
+# BUDGET_SCRIPT is: it writes one short key at most.
+LEARNER_SCRIPT = """#!lua flags=allow-oom
+local held = redis.call('GET', KEYS[1])
+if ARGV[2] == 'take' then
+  if held then return held end
+  redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
+  return ARGV[1]
+end
+if held == ARGV[1] then
+  if ARGV[2] == 'drop' then
+    redis.call('DEL', KEYS[1])
+  else
+    redis.call('SET', KEYS[1], 'UNSTATED', 'EX', ARGV[3])
+  end
+end
+return held or ''
+""".replace("UNSTATED", UNSTATED)
 
 
 # KEYS[1]: the budget's hash. ARGV: 1-3 the configured limits per minute (requests, input
@@ -102,12 +143,14 @@ OUTAGE_BACKLOG_SECONDS = 86_400.0
 # ended it, and another's probe is out since: that one stays); '' ends whichever is out (a
 # 429's pause).
 # Answers {admitted (1/0), seconds to wait, the backlog, 1 when the breaker refused it or,
-# admitted, when it is the probe} (strings: Lua numbers come back from Redis as integers). The
-# backlog is the reading a batch paces on: the seconds until a call like this one fits once it
-# is taken (when admitted) and once every process's pending items have theirs; below zero, the
-# bucket has room for that many seconds' worth more. Numbers are stored with 17 digits (Lua's
-# tostring keeps 14: a tenth of a millisecond of Redis's clock). Nothing but learned limits and
-# the caller's pending is written when it is not admitted.
+# admitted, when it is the probe, 1 when the breaker is half open (the opening over, no probe
+# out, this call not admitted as the probe)} (strings: Lua numbers come back from Redis as
+# integers). The backlog is the reading a batch paces on: the seconds until a call like this
+# one fits once it is taken (when admitted) and once every process's pending items have
+# theirs; below zero, the bucket has room for that many seconds' worth more; a day while the
+# breaker is open or its probe out (the call admitted as the probe included). Numbers are
+# stored with 17 digits (Lua's tostring keeps 14: a tenth of a millisecond of Redis's clock).
+# Nothing but learned limits and the caller's pending is written when it is not admitted.
 # Flagged allow-oom: what it writes is bounded, whatever the calls: one hash per lane and model
 # of a fixed set of fields (the three buckets and learned limits, the stamp, the pause, the
 # breaker's strikes, opening and probe mark), and one field per process in the pending hash
@@ -161,6 +204,8 @@ if strikes > 0 then
     shut = math.min(probe - now, tonumber(ARGV[27]))
   end
 end
+local half = 0  -- half open: the opening over, no probe out
+if strikes > 0 and shut == 0 then half = 1 end
 local restore = tonumber(ARGV[28]) == 1
 for d = 1, 3 do
   local learned = tonumber(ARGV[8 + d])
@@ -236,7 +281,7 @@ local function backlog(need)
   return num(math.max(pause - now, need + pending))
 end
 if max_wait == -2 then
-  return {0, num(wait), backlog(need_now), 0}
+  return {0, num(wait), backlog(need_now), 0, half}
 end
 if max_wait >= 0 and (shut > 0 or wait > max_wait) then
   if #writes > 0 then
@@ -244,9 +289,9 @@ if max_wait >= 0 and (shut > 0 or wait > max_wait) then
     redis.call('EXPIRE', key, ttl)
   end
   if shut > 0 then
-    return {0, num(shut), backlog(need_now), 1}
+    return {0, num(shut), backlog(need_now), 1, 0}
   end
-  return {0, num(wait), backlog(need_now), 0}
+  return {0, num(wait), backlog(need_now), 0, half}
 end
 local probing = 0
 if max_wait >= 0 and strikes > 0 then  -- half open: this call is the probe
@@ -263,7 +308,10 @@ table.insert(writes, 'at'); table.insert(writes, num(now))
 table.insert(writes, 'pause'); table.insert(writes, num(pause))
 redis.call('HSET', key, unpack(writes))
 redis.call('EXPIRE', key, ttl)
-return {1, num(wait), backlog(need_next), probing}
+if probing == 1 then  -- its probe is out now: the breaker holds the others
+  return {1, num(wait), num(OUTAGE_BACKLOG), 1, 0}
+end
+return {1, num(wait), backlog(need_next), 0, half}
 """.replace("OUTAGE_BACKLOG", repr(OUTAGE_BACKLOG_SECONDS))
 
 
@@ -299,11 +347,13 @@ class TokenEstimator:
 class RedisRateBudget:
     """A :class:`~worker.core.ports.RateBudget` shared through Redis by every process.
 
-    Off (every reservation admitted at once, nothing written to Redis) until a limit is
-    known: from ``limits`` (``SIFT_RATE_LIMITS``), from response headers given to
-    :meth:`learn`, or from the shared hash, where another process stored the limits it learned
-    or a 429's pause (:meth:`_turned_on`, read while off at most every
-    :data:`OFF_REFRESH_SECONDS`). A 429's pause is honoured even then.
+    Off (nothing metered) until a limit is known: from ``limits`` (``SIFT_RATE_LIMITS``),
+    from response headers given to :meth:`learn`, or from the shared hash, where another
+    process stored the limits it learned or a 429's pause (:meth:`_turned_on`, read while off
+    at most every :data:`OFF_REFRESH_SECONDS`). A 429's pause is honoured even then. While
+    off, one call at a time goes out, the learner (:meth:`_may_send`), the others waiting
+    for what its answer teaches, unless an answer stated no limit: then every call goes at
+    once, nothing written to Redis.
     """
 
     def __init__(
@@ -328,11 +378,22 @@ class RedisRateBudget:
         self._clock = clock
         self.client = client
         self._script = client.register_script(BUDGET_SCRIPT)
+        self._learner_script = client.register_script(LEARNER_SCRIPT)
+        self.learner_key = f"{self.key}:learner"
+        self._learner: str | None = None  # who held the learner's place at the last reading
+        # how many times a thread of this process gave the place up (_leave): a reading sent
+        # before one is not applied after it (it would name the thread that just left)
+        self._leaves = 0
+        self._learner_lock = threading.Lock()  # the count and the holder change together
         self._typical = (0.0, 0.0)  # the last call's input and output tokens, for backlog()
         self._paused = False
         # the last reading (below zero: room left), and when (this process's clock)
         self._backlog = (0.0, -math.inf)
         self._backlog_lock = threading.Lock()  # started() adds to the reading
+        # the last reading found the breaker half open; the item this process lets start
+        # then, the would-be probe: its thread, its ticket once started, when it last asked
+        self._half_open = False
+        self._half_claim: tuple[int, int | None, float] | None = None
         # the items let start and not yet reserved, and when (this process's clock); each
         # thread knows its own (self._call.started)
         self._pending: dict[int, float] = {}
@@ -363,10 +424,11 @@ class RedisRateBudget:
         answered: bool | None = False,
         restore: bool = False,
         probe: str = "",
-    ) -> tuple[bool, float, float, bool]:
+    ) -> tuple[bool, float, float, bool, bool]:
         """One script call; answers (admitted, wait, backlog, the breaker's part: refused by
-        it, or admitted as its probe) as :data:`BUDGET_SCRIPT` does. ``tell``: the call tells
-        the cluster this process's pending items, and its backlog counts every process's.
+        it, or admitted as its probe; the breaker half open) as :data:`BUDGET_SCRIPT` does.
+        ``tell``: the call tells the cluster this process's pending items, and its backlog
+        counts every process's.
         ``trip``: a call was answered 5xx, with this retry-after (0: none); ``answered``: a
         call was answered otherwise (True), or got no answer at all (None). ``restore``:
         ``learn`` is stored only where the hash holds no limit. ``probe``: the reservation's
@@ -403,8 +465,8 @@ class RedisRateBudget:
         ]
         self.script_calls += 1
         keys = [self.key, f"{self.key}:pending"]
-        admitted, wait, backlog, shut = self._script(keys=keys, args=args)
-        return bool(int(admitted)), float(wait), float(backlog), bool(int(shut))
+        admitted, wait, backlog, shut, half = self._script(keys=keys, args=args)
+        return bool(int(admitted)), float(wait), float(backlog), bool(int(shut)), bool(int(half))
 
     def _turned_on(self) -> bool:
         """Whether the budget is on (:attr:`active`), here or by what the shared hash holds:
@@ -414,7 +476,8 @@ class RedisRateBudget:
         process that had no answer of its own yet (at the defaults, with no
         ``SIFT_RATE_LIMITS``, every process until its first answer) sent straight through
         the cluster's 429 pause, and unmetered, whatever limits the others had learned. Read
-        at most every :data:`OFF_REFRESH_SECONDS` (its first call always reads)."""
+        at most every :data:`OFF_REFRESH_SECONDS` (its first call always reads), with who
+        holds the learner's place (:meth:`_may_send`)."""
         if self.active:
             return True
         now = self._clock()
@@ -424,7 +487,10 @@ class RedisRateBudget:
         pipe = self.client.pipeline(transaction=False)
         pipe.hmget(self.key, ["Lr", "Li", "Lo", "pause", "strikes"])
         pipe.time()
-        (rpm, itpm, otpm, pause, strikes), (seconds, micros) = pipe.execute()
+        pipe.get(self.learner_key)
+        leaves = self._leaves
+        (rpm, itpm, otpm, pause, strikes), (seconds, micros), held = pipe.execute()
+        self._read_learner(held, leaves)
         stored = RateLimit(rpm=_limit(rpm), itpm=_limit(itpm), otpm=_limit(otpm))
         if stored != RateLimit():
             self.learned = stored
@@ -432,19 +498,110 @@ class RedisRateBudget:
             self._paused = True  # a 429's pause, or the breaker (a 5xx): on from now
         return self.active
 
+    def _may_send(self) -> bool:
+        """The budget off (:meth:`_turned_on` said so): whether this thread's call may go now,
+        unmetered. It may as the learner, whose answer teaches the limits: the place was free
+        at the last reading, and it took it now, or it took it before (its batch item's
+        pacing did); or when an answer stated no limit (:data:`UNSTATED`). Not while another
+        call is out learning: one at a time goes, the others waiting for the limits it
+        learns, so that a first batch at the defaults is metered from its second call, not
+        sent at once into the provider's 429s and past the deadlines the limits learned then
+        hold it to."""
+        token = f"{self.process}:{threading.get_ident()}"
+        if self._learner is None:  # free at the last reading: take it, if it still is
+            args: list[str | int] = [token, "take", LEARN_LEASE_SECONDS]
+            leaves = self._leaves
+            self._read_learner(self._learner_script(keys=[self.learner_key], args=args), leaves)
+        if self._learner == token:
+            self._call.learning = True  # given up at its settlement, or its search's end
+        return self._learner in (token, UNSTATED)
+
+    def _read_learner(self, held: bytes | str | None, leaves: int) -> None:
+        """Keep who holds the learner's place by a reading sent when this process had given
+        it up ``leaves`` times: not if a thread gave it up since (:meth:`_leave`), which the
+        reading may predate. Applied, a reading naming the thread that left made it the
+        learner again in this process's eyes: its next call went without the place, beside
+        the learner another process took meanwhile."""
+        with self._learner_lock:
+            if self._leaves == leaves:
+                self._learner = _text(held) or None
+
+    def _leave(self, unstated: bool = False) -> None:
+        """This thread's call was the learner's, or its batch item took the place and ends
+        without one: the place is given up, the next call may learn; or, its answer having
+        stated no limit (``unstated``), left as :data:`UNSTATED`, every call sent unmetered.
+        Never raises: it comes after what happened to the call, and the place's lease ends it."""
+        self._call.learning = False
+        what, seconds = ("unstated", UNSTATED_SECONDS) if unstated else ("drop", 1)
+        token = f"{self.process}:{threading.get_ident()}"
+        try:
+            self._learner_script(keys=[self.learner_key], args=[token, what, seconds])
+        except redis.RedisError as exc:
+            log.warning(
+                "the rate budget of %s could not give up its learner's place; it ends with "
+                "its lease, in %.0f s at most: %s",
+                self.model,
+                LEARN_LEASE_SECONDS,
+                exc,
+            )
+            return
+        with self._learner_lock:
+            self._leaves += 1
+            self._learner = UNSTATED if unstated else None
+
     def backlog(self) -> float:
         """Seconds a call like the last one would wait now, once every process's items let
         start and not yet reserved have theirs (nothing is reserved). Answered from this
         process's last reading when it is under :data:`BACKLOG_REFRESH_SECONDS` old (every
-        reservation is one): a batch asks before each item."""
+        reservation is one): a batch asks before each item. While no limit is known, 0 for
+        the item that goes as the learner (:meth:`_may_send`), or for every item once an
+        answer stated no limit; a day for the others while the learner is out: they start
+        their searches, and their deadlines, once the limits it learns can pace them. While
+        the breaker is open or its probe out, a day; half open, a day for all but one thread
+        of the process (:meth:`_may_probe`)."""
         if not self._turned_on():
-            return 0.0
+            return 0.0 if self._may_send() else OUTAGE_BACKLOG_SECONDS
         reading, read_at = self._backlog
         now = self._clock()
         if now - read_at >= BACKLOG_REFRESH_SECONDS:
-            reading = self._run((1, *self._typical), -2, tell=True)[2]
-            self._backlog = (reading, now)
+            _, _, reading, _, half = self._run((1, *self._typical), -2, tell=True)
+            self._read(reading, half, now)
+        if self._half_open and not self._may_probe(now):
+            return OUTAGE_BACKLOG_SECONDS
         return max(0.0, reading)
+
+    def _read(self, reading: float, half: bool, now: float) -> None:
+        """Keep a reading (the backlog, the breaker half open), taken at ``now``: the claim of
+        the item let start at a half opening ends with it, once the breaker is not."""
+        with self._backlog_lock:
+            self._backlog = (reading, now)
+            self._half_open = half
+            if not half:
+                self._half_claim = None
+
+    def _may_probe(self, now: float) -> bool:
+        """The breaker half open: whether this thread's item may start, as the would-be probe.
+        One item of the process may (the first to ask, until its claim ends), the others wait
+        for the probe's answer: all started then, those beside the probe waited on the breaker
+        within their deadline and, in an outage that outlasts the probe, ended
+        ``budget_exhausted`` with no call sent."""
+        me = threading.get_ident()
+        with self._backlog_lock:
+            claim = self._half_claim
+            if claim is not None and claim[0] != me:
+                ticket, asked = claim[1], claim[2]
+                live = ticket in self._pending if ticket is not None else False
+                if live or now - asked < HALF_OPEN_CLAIM_SECONDS:
+                    return False
+            self._half_claim = (me, getattr(self._call, "started", None), now)
+            return True
+
+    def _unclaim(self) -> None:
+        """This thread's item, let start at a half opening, reserved its call (as the probe,
+        or refused) or ended without one: another may start in its place."""
+        with self._backlog_lock:
+            if self._half_claim is not None and self._half_claim[0] == threading.get_ident():
+                self._half_claim = None
 
     def shut(self) -> bool:
         """Whether the breaker holds every call now (open, or its probe out), by the reading
@@ -463,13 +620,24 @@ class RedisRateBudget:
         with self._backlog_lock:
             self._pending.pop(getattr(self._call, "started", -1), None)  # one run before
             self._call.started = ticket = next(self._tickets)
-            self._pending[ticket] = self._clock()
+            self._pending[ticket] = now = self._clock()
             reading, read_at = self._backlog
             self._backlog = (reading + self._call_seconds(), read_at)
+            if self._half_claim is not None and self._half_claim[0] == threading.get_ident():
+                self._half_claim = (self._half_claim[0], ticket, now)  # held while it counts
 
     def ended(self) -> None:
         """This thread's item no longer counts as let start: it reserved its call, or its
-        search ended without one."""
+        search ended without one. An item that took the learner's place for its call and
+        ends without one gives it up (:meth:`_leave`); one let start at a half opening of the
+        breaker, its claim (:meth:`_may_probe`)."""
+        self._end_item()
+        self._unclaim()
+
+    def _end_item(self) -> None:
+        """:meth:`ended` but for the claim at a half opening."""
+        if getattr(self._call, "learning", False):
+            self._leave()
         ticket = getattr(self._call, "started", None)
         if ticket is not None:
             self._call.started = None
@@ -503,21 +671,25 @@ class RedisRateBudget:
         return seconds
 
     def reserve(self, prompt: RerankPrompt, max_wait: float) -> BudgetGrant:
-        if not self._turned_on():
-            return BudgetGrant(admitted=True, wait=0.0)
         raw = self.estimator.raw(prompt)
         estimate = self.estimator.estimate(prompt)
+        if not self._turned_on():
+            if not self._may_send():  # another call is out learning the limits: ask again
+                return BudgetGrant(False, OFF_REFRESH_SECONDS, shut=True, learning=True)
+            self._typical = (float(estimate), float(prompt.max_tokens))
+            return BudgetGrant(admitted=True, wait=0.0)
         self._typical = (float(estimate), float(prompt.max_tokens))
-        self.ended()  # its call is reserved now, or refused: in the bucket, or not at all
+        self._end_item()  # its call is reserved now, or refused: in the bucket, or not at all
         take = (1, estimate, prompt.max_tokens)
         # what this process learned goes along, stored where the hash holds none: the hash
         # expired (a day without a call) or Redis lost it, and no call went out unmetered
         probe = uuid.uuid4().hex[:16]  # its probe mark's, should it be admitted as the probe
-        admitted, wait, reading, breaker = self._run(
+        admitted, wait, reading, breaker, half = self._run(
             take, max(0.0, max_wait), tell=True, learn=self.learned, restore=True, probe=probe
         )
         now = self._clock()
-        self._backlog = (reading, now)
+        self._read(reading, half, now)
+        self._unclaim()  # after the reading: the probe out (or another's) holds the others
         if not admitted:
             return BudgetGrant(admitted=False, wait=wait, shut=breaker)
         self._call.sent_at = now + wait
@@ -557,6 +729,9 @@ class RedisRateBudget:
         stated = getattr(self._call, "stated", None)
         found = getattr(self._call, "found", None)
         self._call.stated = self._call.found = None
+        if getattr(self._call, "learning", False):  # its answer stated the limits, or none
+            message = usage is not None and bool(usage.input_tokens or usage.output_tokens)
+            self._leave(unstated=sent and closes and message and self.learned == RateLimit())
         if usage is None or not grant.admitted or not (grant.input_tokens or grant.output_tokens):
             return
         # an answer (the call reported usage; a 429 is not one, ``closes``): the provider is
@@ -666,7 +841,7 @@ class RedisRateBudget:
         if not self._turned_on():
             metrics.budget_waited(self.model, self.lane, 0.0)
             return BudgetGrant(admitted=True, wait=0.0)
-        admitted, wait, _, _ = self._run((1, 0, 0), max(0.0, max_wait))
+        admitted, wait, *_ = self._run((1, 0, 0), max(0.0, max_wait))
         if admitted:
             metrics.budget_waited(self.model, self.lane, wait)
         return BudgetGrant(admitted=admitted, wait=wait)

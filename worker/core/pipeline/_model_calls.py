@@ -389,10 +389,10 @@ class ModelCalls:
     ) -> tuple[BudgetGrant, float]:
         """Reserve the attempt's share (``waited``: the seconds waited for it so far); answers
         the grant, admitted, and the seconds waited once its wait is over. While the provider
-        fails (the budget's breaker: a 5xx opened it, or its one probe is out), the attempt
-        waits and asks again, as long as the deadline allows: it sends nothing, so it spends
-        none of the retry budget on a provider that is down (``check`` runs after each such
-        wait)."""
+        fails (the budget's breaker: a 5xx opened it, or its one probe is out), or another
+        call is out learning the provider's limits (none known yet), the attempt waits and
+        asks again, as long as the deadline allows: it sends nothing, so it spends none of
+        the retry budget on a provider that is down (``check`` runs after each such wait)."""
         assert self.rate_budget is not None
         while True:
             max_wait = max(0.0, deadline.remaining() - self.call_time.needed())
@@ -404,11 +404,11 @@ class ModelCalls:
             if check is not None:
                 check(_billed(run))
         if not grant.admitted:
-            what = (
-                "the provider is failing: it takes a call again"
-                if grant.shut
-                else "the provider's rate budget frees this call"
-            )
+            what = "the provider's rate budget frees this call"
+            if grant.learning:
+                what = "another call is out learning the provider's limits: this one asks again"
+            elif grant.shut:
+                what = "the provider is failing: it takes a call again"
             self._exhausted(run, deadline, waited + grant.wait, f"{what} in {grant.wait:.1f}s")
         return grant, waited + grant.wait
 

@@ -236,6 +236,12 @@ class SearchPipeline:
         self._model_calls().pace(stopping, canceled)
         self._paced.checks = (stopping, canceled)
 
+    def reranks(self, spec: SearchSpec) -> bool:
+        """Whether ``spec``'s search asks the model (:meth:`_reranking`): a batch item that
+        does not is not paced on the rate budget (:meth:`pace`), which meters model calls
+        only. Paced, while no limit is known, it waited for the call out learning them."""
+        return self._reranking(spec)
+
     def unpace(self) -> None:
         """The batch item this thread paced runs no search (another run holds it): it counts
         no more in the rate budget's readings, as a search's end would have it."""

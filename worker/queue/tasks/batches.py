@@ -214,8 +214,12 @@ class _ChunkItems:
                 if self.economy:
                     return self._run_first_half(item, waited)
                 pace = getattr(self.runtime, "pace", None)  # a runtime factory's may have none
-                if pace is not None:  # wait for the shared rate budget before the deadline
-                    # starts (until the worker stops, or the batch's cancel ends the wait)
+                reranks = getattr(self.runtime, "reranks", None)
+                # an item that asks the model waits for the shared rate budget before its
+                # deadline starts (until the worker stops, or the batch's cancel ends the
+                # wait); one that does not never waits on it (while no limit is known, for
+                # the call out learning them)
+                if pace is not None and (reranks is None or reranks(item.spec)):
                     pace(self.stopping, partial(self.marks.canceled, self.batch_id))
                 item_claim = self.store.claim_item(
                     self.batch_id, item.query_id, self.owner, lease_seconds=self.deadline
