@@ -24,6 +24,7 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from tests.e2e.conftest import ACME, INDEX, Stack
+from tests.reliability.support import answered_once
 from worker.cli import app
 
 REPO = Path(__file__).resolve().parents[2]
@@ -199,6 +200,7 @@ def test_a_batch_whose_cancel_canceled_nothing_is_picked_up_again(
     source, out = _queries(tmp_path, queries, "uncanceled", count), tmp_path / "results.jsonl"
     args = ["batch", str(source), "--index", INDEX, "--out", str(out), "--rerank"]
     before = _batches(stack, stack.live_url)
+    answered_once(stack.live, stack.model)  # the deployment's first answer, before the hold
     received = stack.model.counts()["received"]
     stack.model.configure(hold_unscripted=True)
     try:

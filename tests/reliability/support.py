@@ -124,8 +124,10 @@ def answered_once(client: httpx.Client, model: FakeAnthropic) -> None:
     the provider's limits from it, and the others wait for its answer (docs/queue.md)."""
     held = model.config
     model.configure(hold_until_received=0, hold_unscripted=False)
-    job_id = submit_search(client, sample_queries()[0])
-    path = f"/v1/searches/{job_id}"
+    body = {"index": INDEX, "query": sample_queries()[0], "rerank": True}  # rerank on a stack
+    response = client.post("/v1/searches", json=body, headers=ACME)  # whose default is off
+    assert response.status_code == 202, response.text
+    path = f"/v1/searches/{response.json()['id']}"
     wait_for(
         lambda: client.get(path, headers=ACME).json()["status"] == "succeeded",
         "the deployment's first answer",
