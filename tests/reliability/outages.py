@@ -14,7 +14,7 @@ import httpx
 import redis
 
 from tests.fake_anthropic import FakeAnthropic
-from tests.reliability.support import ACME, Broker, broker, ingest, stack_env
+from tests.reliability.support import ACME, Broker, answered_once, broker, ingest, stack_env
 from tests.services import gateway
 from worker.processes.stack import child_env, worker_process
 
@@ -71,4 +71,5 @@ def outage_stack(tmp_path: Path, **extra: str) -> Iterator[OutageStack]:
             httpx.Client(base_url=base, timeout=30) as client,
         ):
             ingest(client)
+            answered_once(client, model)  # the test holds the model's answers from here
             yield OutageStack(model, redis_broker, url, client, tmp_path / "w" / "worker.log")
