@@ -27,6 +27,7 @@ from tests.reliability.support import (
     ACME,
     FINISH_TIMEOUT,
     Receiver,
+    answered_once,
     gateway_stack,
     ingest,
     submit_batch,
@@ -55,6 +56,7 @@ def test_a_batch_whose_finishes_meet_a_full_redis_ends_once_it_has_room(
         assert stack.model is not None
         model, client = stack.model, stack.client
         ingest(client)
+        answered_once(client, model)  # the deployment's first answer, before the hold
         model.configure(hold_until_received=ITEMS)  # every item in its model call at once
         batch_id = submit_batch(client, ITEMS, webhook_url=receiver.url)
         wait_for(lambda: model.counts()["received"] == ITEMS, "every item in its call")
