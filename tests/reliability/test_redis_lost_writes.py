@@ -33,6 +33,7 @@ from tests.fake_anthropic import FakeAnthropic
 from tests.reliability.support import (
     ACME,
     DOWN_SECONDS,
+    answered_once,
     assert_batch_exactly_once,
     batch_counts,
     broker,
@@ -73,6 +74,7 @@ def test_jobs_whose_finish_redis_lost_run_again_before_the_visibility_timeout(
             httpx.Client(base_url=base, timeout=30) as client,
         ):
             ingest(client)
+            answered_once(client, model)  # the deployment's first answer, before the hold
             probe = redis.Redis.from_url(url, decode_responses=True)
             model.configure(hold_unscripted=True)  # both wait on the model till the copy
             search_id = submit_search(client, sample_queries()[0])
