@@ -50,6 +50,7 @@ from tests.reliability.support import (
     INDEX,
     Receiver,
     all_results,
+    answered_once,
     assert_batch_exactly_once,
     batch_counts,
     broker_state,
@@ -432,6 +433,7 @@ def test_sigterm_hands_back_the_items_waiting_for_a_place_in_flight(
         }
         with worker(tmp_path / "w", env, "a", **options) as worker_a:
             ingest(client)
+            answered_once(client, model)  # the deployment's first answer, before the hold
             model.configure(hold_unscripted=True)  # the calls in flight held, unanswered
             batch_id = submit(client, total)
             wait_for(lambda: model.counts()["received"] == places, "two calls at the model")
@@ -652,6 +654,7 @@ def test_sigterm_hands_back_the_items_whose_calls_timed_out_unanswered(
         env = {**env, "ANTHROPIC_BASE_URL": model.url}
         with worker(tmp_path / "w", env, "a") as worker_a:
             ingest(client)
+            answered_once(client, model)  # the deployment's first answer, before the hold
             model.configure(hold_unscripted=True)  # every call held, unanswered
             batch_id = submit(client, 2)
             wait_for(lambda: model.counts()["received"] >= 2, "both items in their calls")
@@ -692,6 +695,7 @@ def test_a_stop_held_by_model_calls_names_the_items_at_its_deadline(
         }
         with worker(tmp_path / "w", env, "a") as worker_a:
             ingest(client)
+            answered_once(client, model)  # the deployment's first answer, before the hold
             model.configure(hold_unscripted=True)  # every call held, unanswered
             submit(client, 2)
             wait_for(lambda: model.counts()["received"] >= 2, "both items in their calls")
@@ -717,6 +721,7 @@ def test_a_stop_held_by_a_search_s_model_call_names_the_search_at_its_deadline(
         env = {**env, "ANTHROPIC_BASE_URL": model.url}
         with worker(tmp_path / "w", env, "a") as worker_a:
             ingest(client)
+            answered_once(client, model)  # the deployment's first answer, before the hold
             model.configure(hold_unscripted=True)  # every call held, unanswered
             submit_search(client, "who beat Kasparov")
             wait_for(lambda: model.counts()["received"] >= 1, "the search in its call")
@@ -738,11 +743,12 @@ def test_a_killed_worker_s_searches_and_their_webhooks_come_back(
     each ends ``succeeded`` and its ``search.completed`` webhook arrives."""
     n = 20
     model.reset()
-    model.configure(delay=8.0)  # the searches are all mid-rerank at the kill
     try:
         with recovery_stack(shared) as (_, env, client):
             with worker(tmp_path / "w", env, "a") as worker_a:
                 ingest(client)
+                answered_once(client, model)  # the deployment's first answer, not one of n
+                model.configure(delay=8.0)  # the searches are all mid-rerank at the kill
                 ids = [
                     client.post(
                         "/v1/searches",
