@@ -17,6 +17,8 @@ which goes as each probe and may spend its attempts on them (docs/queue.md).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -40,10 +42,10 @@ ITEMS = 100
 OUTAGE_SECONDS = 8.0
 
 
-@pytest.mark.timeout(300)
-def test_a_529_outage_shorter_than_the_deadline_fails_no_item_and_is_probed_not_flooded(
-    tmp_path: Path,
-) -> None:
+@contextmanager
+def default_stack(tmp_path: Path) -> Iterator[tuple[FakeAnthropic, httpx.Client]]:
+    """redis-server, the fake model, a gateway and one ``sift worker``, every setting at its
+    default, the sample corpus ingested."""
     with redis_server(tmp_path / "redis") as url, FakeAnthropic() as model:
         env = stack_env(url + "/0", model.url)
         env.pop("SIFT_GENERATION_MAX_REQUESTS")  # every setting at its default
@@ -54,17 +56,25 @@ def test_a_529_outage_shorter_than_the_deadline_fails_no_item_and_is_probed_not_
             celery_worker(tmp_path / "w", env, "w"),
         ):
             ingest(client)
-            first = submit_batch(client, 1)  # the deployment's first answer: it states no limit
-            wait_for(lambda: batch_counts(client, first)["finished_at"] is not None, "first", 60)
-            model.reset()
-            model.outage(OUTAGE_SECONDS, (529,))
-            batch_id = submit_batch(client, ITEMS)
-            wait_for(
-                lambda: batch_counts(client, batch_id)["finished_at"] is not None,
-                "the batch finished",
-                120,
-            )
-            done = batch_counts(client, batch_id)
+            yield model, client
+
+
+@pytest.mark.timeout(300)
+def test_a_529_outage_shorter_than_the_deadline_fails_no_item_and_is_probed_not_flooded(
+    tmp_path: Path,
+) -> None:
+    with default_stack(tmp_path) as (model, client):
+        first = submit_batch(client, 1)  # the deployment's first answer: it states no limit
+        wait_for(lambda: batch_counts(client, first)["finished_at"] is not None, "first", 60)
+        model.reset()
+        model.outage(OUTAGE_SECONDS, (529,))
+        batch_id = submit_batch(client, ITEMS)
+        wait_for(
+            lambda: batch_counts(client, batch_id)["finished_at"] is not None,
+            "the batch finished",
+            120,
+        )
+        done = batch_counts(client, batch_id)
     assert done["counts"]["succeeded"] == ITEMS, done["counts"]
     overloaded = model.counts()["statuses"].get("529", 0)
     # the first calls of the items in flight when it began, then a probe every 1, 2, 4, 8 s:
@@ -90,30 +100,21 @@ def test_an_outage_longer_than_the_deadline_fails_no_item_that_had_not_begun_its
     until the breaker lets a call through. So only the items that had begun their search
     when the breaker opened may fail without a call sent: those holding a CPU slot then, or
     just out of one."""
-    with redis_server(tmp_path / "redis") as url, FakeAnthropic() as model:
-        env = stack_env(url + "/0", model.url)
-        env.pop("SIFT_GENERATION_MAX_REQUESTS")  # every setting at its default
-        env.pop("SIFT_WORKER_SOFT_SHUTDOWN_SECONDS")
-        with (
-            gateway(tmp_path / "g", env) as base,
-            httpx.Client(base_url=base, timeout=30) as client,
-            celery_worker(tmp_path / "w", env, "w"),
-        ):
-            ingest(client)
-            batch_id = submit_batch(client, LONG_ITEMS)
-            wait_for(
-                lambda: batch_counts(client, batch_id)["counts"]["succeeded"] >= STARTED_AT_OUTAGE,
-                "the batch's first items succeeded",
-                120,
-            )
-            model.outage(LONG_OUTAGE_SECONDS, (529,), retry_after=LONG_RETRY_AFTER)
-            wait_for(
-                lambda: batch_counts(client, batch_id)["finished_at"] is not None,
-                "the batch finished",
-                240,
-            )
-            done = batch_counts(client, batch_id)
-            failed = [r for r in all_results(client, batch_id) if r["status"] == "failed"]
+    with default_stack(tmp_path) as (model, client):
+        batch_id = submit_batch(client, LONG_ITEMS)
+        wait_for(
+            lambda: batch_counts(client, batch_id)["counts"]["succeeded"] >= STARTED_AT_OUTAGE,
+            "the batch's first items succeeded",
+            120,
+        )
+        model.outage(LONG_OUTAGE_SECONDS, (529,), retry_after=LONG_RETRY_AFTER)
+        wait_for(
+            lambda: batch_counts(client, batch_id)["finished_at"] is not None,
+            "the batch finished",
+            240,
+        )
+        done = batch_counts(client, batch_id)
+        failed = [r for r in all_results(client, batch_id) if r["status"] == "failed"]
     never_sent = [r for r in failed if not (r["error"].get("usage") or {}).get("requests")]
     assert len(failed) == done["counts"]["failed"], done["counts"]
     # the items that began their search while the breaker was open never sent a call, and
