@@ -1176,6 +1176,40 @@ def test_only_a_5xx_opens_the_breaker_though_a_409_is_retried_as_one(
         assert other.reserve(PROMPT, 0.0).admitted
 
 
+def test_a_provider_refusing_connections_opens_the_breaker_as_a_5xx_does(
+    client: redis.Redis,
+) -> None:
+    """A connection refused (or a host not found) is the provider unreachable: no call can
+    be sent, by any process, so it opens the breaker as a 5xx does, and the others wait for
+    a probe within their deadlines instead of spending their attempts on refusals. The
+    connection error was counted ``connection`` and gave its reservation back, opening
+    nothing: a batch's items spent their three attempts in a few seconds and failed."""
+    with fa.FakeAnthropic() as down:
+        pass  # stopped: its port refuses every connection
+    limits = RateLimit(rpm=6000)
+    pipeline, _ = build(
+        down, client, "fail_open", limits, RecordingRecorder(), generation_max_requests=1
+    )
+    result = search(pipeline)
+    assert [a["outcome"] for a in result.trace["attempts"]] == ["connection"]
+    assert RedisRateBudget(client, MODEL, limits).reserve(PROMPT, 30.0).shut
+
+
+def test_a_connection_lost_once_the_call_was_sent_opens_no_breaker(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    """A connection cut in the middle of an answer is one call's trouble (a reset, a proxy),
+    not the provider out of reach: the breaker stays closed."""
+    limits = RateLimit(rpm=6000)
+    pipeline, _ = build(
+        fake, client, "fail_open", limits, RecordingRecorder(), generation_max_requests=1
+    )
+    fake.script([fa.cut()])
+    result = search(pipeline)
+    assert [a["outcome"] for a in result.trace["attempts"]] == ["connection"]
+    assert RedisRateBudget(client, MODEL, limits).reserve(PROMPT, 0.0).admitted
+
+
 def test_a_429_pauses_a_process_that_knows_no_limit_yet(client: redis.Redis) -> None:
     """At the defaults (no ``SIFT_RATE_LIMITS``) a process meters nothing until it learns a
     limit; one that had no answer of its own yet admitted every call at once, without asking

@@ -17,6 +17,7 @@ which goes as each probe and may spend its attempts on them (docs/queue.md).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +28,7 @@ import pytest
 from tests.fake_anthropic import FakeAnthropic
 from tests.reliability.support import (
     all_results,
+    answered_once,
     batch_counts,
     ingest,
     stack_env,
@@ -122,3 +124,33 @@ def test_an_outage_longer_than_the_deadline_fails_no_item_that_had_not_begun_its
     assert len(never_sent) <= 10 * cpu_slots(0).size, (
         len(never_sent), done["counts"], never_sent[:2],
     )  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_a_provider_refusing_connections_for_less_than_the_deadline_fails_no_item(
+    tmp_path: Path,
+) -> None:
+    """The provider unreachable, every connection refused (its host down, a proxy or a
+    firewall in the way), for 8 s: an outage as a 5xx is, where no call is even sent. The
+    calls refused open the breaker as a 5xx does, and the items wait within their deadline
+    for a probe to get through, instead of spending their three attempts in a few seconds."""
+    with default_stack(tmp_path) as (model, client):
+        answered_once(client, model)  # the provider was reachable once: its limits known
+        model.stop()
+        batch_id = submit_batch(client, ITEMS)
+        wait_for(
+            lambda: batch_counts(client, batch_id)["counts"]["running"] > 0,
+            "the batch's items running",
+            60,
+        )
+        time.sleep(OUTAGE_SECONDS)
+        model.start()
+        wait_for(
+            lambda: batch_counts(client, batch_id)["finished_at"] is not None,
+            "the batch finished",
+            120,
+        )
+        done = batch_counts(client, batch_id)
+        failed = [r for r in all_results(client, batch_id) if r["status"] == "failed"]
+    assert done["counts"]["succeeded"] == ITEMS, (done["counts"], failed[:2])
+    assert done["usage"]["requests"] == model.counts()["received"], (done["usage"], model.counts())

@@ -300,7 +300,9 @@ class ModelCalls:
         failure is settled on the
         ``usage`` it reported (none reported: the reservation stands); a 5xx opens the breaker;
         any other answer closes it, billed or not; one that got no answer ends the breaker's
-        probe if it was that.
+        probe if it was that. A connection never made for want of the provider (refused, its
+        host not found: the SDK's connection error before any byte was sent, not a timeout)
+        opens the breaker as a 5xx does: the provider is unreachable, for every process alike.
 
         The settlement of an attempt to be retried raises when Redis fails, as these writes
         do: the run, having spent the client's retries (30 s, the default deadline), is left
@@ -315,6 +317,9 @@ class ModelCalls:
             budget.settle(grant, TokenUsage(), sent=error.sent, closes=False, quiet=quiet)
             if error.sent:
                 budget.pause(error.retry_after or DEFAULT_429_PAUSE_SECONDS)
+            elif error.outcome is AttemptOutcome.CONNECTION:  # refused, no such host: down
+                budget.trip(None)
+                return
         elif error.outcome is AttemptOutcome.HTTP_4XX or _transient_4xx(error):
             budget.settle(grant, TokenUsage(), quiet=quiet)  # refused at once: no token read
         else:
