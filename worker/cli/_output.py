@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Sequence
 from datetime import datetime
 from importlib import resources
@@ -255,6 +256,29 @@ def format_cost(cost: float | None) -> str:
     if cost is None:
         return "unpriced (no price for the model: SIFT_PRICES)"
     return f"${float(cost):.6f}"
+
+
+def failure_kinds(batch: dict[str, Any], errors: Counter[str]) -> str:
+    """Its failed items by error type, most first, and its ``rerank_failed`` ones by class:
+    the batch record's ``failures`` and ``rerank_failures``, or, from a gateway that has
+    none, ``errors`` (the types its results showed).
+
+    >>> failure_kinds({"failures": {"rerank_failed": 3, "deadline_exceeded": 1},
+    ...     "rerank_failures": {"malformed": 1, "budget_exhausted": 2}}, Counter())
+    'rerank_failed 3 (budget_exhausted 2, malformed 1), deadline_exceeded 1'
+    >>> failure_kinds({}, Counter({"index_not_found": 2}))
+    'index_not_found 2'
+    """
+    failures = batch.get("failures")
+    kinds = Counter(failures) if failures is not None else errors
+    classes = Counter(batch.get("rerank_failures") or {})
+    parts = []
+    for kind, n in kinds.most_common():
+        part = f"{plain(kind)} {n}"
+        if kind == "rerank_failed" and classes:
+            part += " (" + ", ".join(f"{plain(c)} {m}" for c, m in classes.most_common()) + ")"
+        parts.append(part)
+    return ", ".join(parts)
 
 
 def _seconds(value: Any) -> str:

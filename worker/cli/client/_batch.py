@@ -41,7 +41,7 @@ from worker.cli._http import (
     sift_answer,
     submit_retry_seconds,
 )
-from worker.cli._output import plain, progress_bar, usage_line
+from worker.cli._output import failure_kinds, plain, progress_bar, usage_line
 from worker.cli.client._input import (
     MODES,
     _load,
@@ -260,29 +260,6 @@ def _write_results(
     finally:
         temp.unlink(missing_ok=True)
     return tally, errors
-
-
-def failure_kinds(batch: dict[str, Any], errors: Counter[str]) -> str:
-    """Its failed items by error type, most first, and its ``rerank_failed`` ones by class:
-    the batch record's ``failures`` and ``rerank_failures``, or, from a gateway that has
-    none, ``errors`` (the types its results showed).
-
-    >>> failure_kinds({"failures": {"rerank_failed": 3, "deadline_exceeded": 1},
-    ...     "rerank_failures": {"malformed": 1, "budget_exhausted": 2}}, Counter())
-    'rerank_failed 3 (budget_exhausted 2, malformed 1), deadline_exceeded 1'
-    >>> failure_kinds({}, Counter({"index_not_found": 2}))
-    'index_not_found 2'
-    """
-    failures = batch.get("failures")
-    kinds = Counter(failures) if failures is not None else errors
-    classes = Counter(batch.get("rerank_failures") or {})
-    parts = []
-    for kind, n in kinds.most_common():
-        part = f"{plain(kind)} {n}"
-        if kind == "rerank_failed" and classes:
-            part += " (" + ", ".join(f"{plain(c)} {m}" for c, m in classes.most_common()) + ")"
-        parts.append(part)
-    return ", ".join(parts)
 
 
 def _batch_cost_lines(batch: dict[str, Any]) -> list[str]:
