@@ -17,8 +17,8 @@ import time
 from typing import Any
 
 from worker.clock import server_seconds
-from worker.constants import ACTIVE_JOBS_KEY, ECONOMY_PREPARED_KEY, WEBHOOKS_OWED_KEY
-from worker.contract import RerankInfo, SearchResult, SearchSpec
+from worker.constants import ACTIVE_JOBS_KEY, BATCH_KEY, ECONOMY_PREPARED_KEY, WEBHOOKS_OWED_KEY
+from worker.contract import ErrorInfo, RerankInfo, SearchResult, SearchSpec
 from worker.queue.jobstore import JobStore
 from worker.queue.redrive import Sweeper
 
@@ -142,6 +142,47 @@ def test_a_batch_canceled_while_an_item_runs_shows_its_canceled_items(
     cells = dict(zip(header, row, strict=False))  # up to age, whose cells hold a space
     assert cells["done"] == "2/3" and cells["failed"] == "0" and cells["running"] == "1"
     assert cells["canceled"] == "2", run.stdout
+
+
+def test_a_batch_s_failed_items_are_shown_by_kind_and_unknown_ones_as_nothing(
+    store: JobStore, redis_url: str
+) -> None:
+    """A running batch's row said ``failed 3`` and not why: its record's ``failures`` (by
+    error type) and ``rerank_failures`` (its ``rerank_failed`` items by class) were shown by
+    ``GET /v1/batches/{id}`` and ``sift batch`` only. Now a ``failures`` column has them, as
+    ``sift batch`` writes them, and ``--json`` each row's two; a batch of an older release,
+    whose failures by kind are unknown (``null``), shows none."""
+    spec = SearchSpec(index="docs", query="q")
+    errors = [
+        ErrorInfo(type="rerank_failed", message="m", reason="http_4xx"),
+        ErrorInfo(type="rerank_failed", message="m", reason="malformed"),
+        ErrorInfo(type="index_not_found", message="m"),
+    ]
+    items = [(f"q{i}", spec) for i in range(len(errors) + 1)]  # one left running
+    failing, older = (store.create_batch("acme", "docs", items).id for _ in "ab")
+    store.redis.hdel(BATCH_KEY + older, "totals_failures")  # as an older release wrote it
+    for batch_id in (failing, older):
+        for (qid, _), error in zip(items, [*errors, None], strict=True):
+            assert store.start_item(batch_id, qid)
+            if error is not None:
+                assert store.finish_item(batch_id, qid, error=error).applied
+
+    run = _status(redis_url, "--json")
+    assert run.returncode == 0, run.stderr
+    rows = {row["id"]: row for row in json.loads(run.stdout)["batches"]}
+    assert rows[failing]["failures"] == {"rerank_failed": 2, "index_not_found": 1}
+    assert rows[failing]["rerank_failures"] == {"http_4xx": 1, "malformed": 1}
+    assert (rows[older]["failures"], rows[older]["rerank_failures"]) == (None, None)
+
+    table = _status(redis_url)
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    [shown] = [line for line in lines if failing in line]
+    why = "rerank_failed 2 (http_4xx 1, malformed 1), index_not_found 1"
+    assert shown.rstrip().endswith(why), table.stdout
+    [unknown] = [line for line in lines if older in line]
+    header = next(line for line in lines if " done " in line)
+    assert header.split()[-1] == "failures" and unknown.split()[-1] == "–", table.stdout
 
 
 def test_the_webhooks_owed_are_counted_with_those_overdue_and_waiting_for_a_retry(

@@ -17,8 +17,10 @@ API key and no tenant. What it shows, and where each figure comes from:
   (``sift:active``: a standard-lane batch, and an economy one while its items are prepared)
   and in the economy lane's watch (``sift:eco-watch``: an economy batch waiting on its
   provider batches, which has left the active set), with their lane, counts, what their
-  finished items' model calls cost so far, and when their status last moved (known for those
-  in the active set); and the searches and ingests in the active set;
+  finished items' model calls cost so far, when their status last moved (known for those
+  in the active set) and their failed items by kind (the record's ``failures`` and
+  ``rerank_failures``, as ``sift batch`` prints them); and the searches and ingests in the
+  active set;
 - **webhooks owed**: ``sift:webhooks-owed`` in counts (no job named: all tenants'), those
   waiting out a retry's countdown (due later) and those overdue, due more than
   :data:`WEBHOOK_OVERDUE_SECONDS` ago and not settled, with the oldest's age: a stuck one
@@ -43,7 +45,7 @@ from rich.table import Table
 
 from worker.cli._app import app
 from worker.cli._common import STACK_REDIS_FILE, cli_settings, stack_redis_url
-from worker.cli._output import cli_console, plain, print_fitted
+from worker.cli._output import cli_console, failure_kinds, plain, print_fitted
 from worker.clock import server_seconds
 from worker.constants import (
     ACTIVE_JOBS_KEY,
@@ -114,6 +116,9 @@ class BatchRow:
     idle_seconds: float | None  # None: not in the active set (an economy batch waiting)
     cost_usd: float | None = 0.0  # what its finished items' model calls cost (None: unpriced)
     cost_known: bool = True  # False: a batch an older release made (its totals unknown)
+    # its failed items by error type, its rerank_failed ones by class (None: unknown)
+    failures: dict[str, int] | None = field(default_factory=dict)
+    rerank_failures: dict[str, int] | None = field(default_factory=dict)
 
 
 @dataclass
@@ -247,6 +252,8 @@ def _batches(
                 idle_seconds=None if moved is None else round(now - moved, 1),
                 cost_usd=None if batch.usage is None else batch.usage.cost_usd,
                 cost_known=batch.usage is not None,
+                failures=batch.failures,
+                rerank_failures=batch.rerank_failures,
             )
         )
     return rows
@@ -373,7 +380,7 @@ def show(console: Console, status: Status) -> None:
         console.print(f"[yellow]{plain(node)} answers Celery but has no heartbeat in Redis[/]")
 
     names = ["batch", "tenant", "index", "lane", "done", "running", "queued", "failed",
-             "canceled", "cost", "age", "moved"]  # fmt: skip
+             "canceled", "cost", "age", "moved", "failures"]  # fmt: skip
     rows = []
     for b in status.batches:
         done = sum(b.counts.get(s, 0) for s in ("succeeded", "failed", "canceled"))
@@ -386,6 +393,7 @@ def show(console: Console, status: Status) -> None:
             else "unpriced" if b.cost_usd is None else f"${b.cost_usd:.6f}",
             f"{b.age_seconds:.0f} s",
             "–" if b.idle_seconds is None else f"{b.idle_seconds:.0f} s ago",
+            failure_kinds(asdict(b), Counter()) or "–",  # unknown (None): nothing either
         ])  # fmt: skip
     # whole cells, columns left out to fit (named below the table): cut to fit, the batch id
     # was "bat_…" at 80 columns, the width when the output is not a terminal
@@ -395,6 +403,7 @@ def show(console: Console, status: Status) -> None:
         names,
         rows,
         drop_order=[
+            "failures",  # the widest: first out, never at the cost of a column shown without it
             "moved",
             "tenant",
             "age",
@@ -405,6 +414,7 @@ def show(console: Console, status: Status) -> None:
             "lane",
             "queued",
         ],
+        wrapped=("failures",),
         right=("done", "running", "queued", "failed", "canceled", "cost", "age", "moved"),
     )
     console.print(
