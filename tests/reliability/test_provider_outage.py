@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -61,6 +62,16 @@ def default_stack(tmp_path: Path) -> Iterator[tuple[FakeAnthropic, httpx.Client]
             yield model, client
 
 
+def finished(client: httpx.Client, batch_id: str, timeout: float) -> dict[str, Any]:
+    """The batch once it has finished (its ``GET``), waited for up to ``timeout`` seconds."""
+    wait_for(
+        lambda: batch_counts(client, batch_id)["finished_at"] is not None,
+        "the batch finished",
+        timeout,
+    )
+    return batch_counts(client, batch_id)
+
+
 @pytest.mark.timeout(300)
 def test_a_529_outage_shorter_than_the_deadline_fails_no_item_and_is_probed_not_flooded(
     tmp_path: Path,
@@ -71,12 +82,7 @@ def test_a_529_outage_shorter_than_the_deadline_fails_no_item_and_is_probed_not_
         model.reset()
         model.outage(OUTAGE_SECONDS, (529,))
         batch_id = submit_batch(client, ITEMS)
-        wait_for(
-            lambda: batch_counts(client, batch_id)["finished_at"] is not None,
-            "the batch finished",
-            120,
-        )
-        done = batch_counts(client, batch_id)
+        done = finished(client, batch_id, 120)
     assert done["counts"]["succeeded"] == ITEMS, done["counts"]
     overloaded = model.counts()["statuses"].get("529", 0)
     # the first calls of the items in flight when it began, then a probe every 1, 2, 4, 8 s:
@@ -110,12 +116,7 @@ def test_an_outage_longer_than_the_deadline_fails_no_item_that_had_not_begun_its
             120,
         )
         model.outage(LONG_OUTAGE_SECONDS, (529,), retry_after=LONG_RETRY_AFTER)
-        wait_for(
-            lambda: batch_counts(client, batch_id)["finished_at"] is not None,
-            "the batch finished",
-            240,
-        )
-        done = batch_counts(client, batch_id)
+        done = finished(client, batch_id, 240)
         failed = [r for r in all_results(client, batch_id) if r["status"] == "failed"]
     never_sent = [r for r in failed if not (r["error"].get("usage") or {}).get("requests")]
     assert len(failed) == done["counts"]["failed"], done["counts"]
@@ -145,12 +146,7 @@ def test_a_provider_refusing_connections_for_less_than_the_deadline_fails_no_ite
         )
         time.sleep(OUTAGE_SECONDS)
         model.start()
-        wait_for(
-            lambda: batch_counts(client, batch_id)["finished_at"] is not None,
-            "the batch finished",
-            120,
-        )
-        done = batch_counts(client, batch_id)
+        done = finished(client, batch_id, 120)
         failed = [r for r in all_results(client, batch_id) if r["status"] == "failed"]
     assert done["counts"]["succeeded"] == ITEMS, (done["counts"], failed[:2])
     assert done["usage"]["requests"] == model.counts()["received"], (done["usage"], model.counts())
