@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 STACK_ON_A_FULL_DISK = textwrap.dedent(
     """
-    import json, sys
+    import json, sys, time
     from pathlib import Path
     import httpx
     from tests.fake_anthropic import FakeAnthropic
@@ -53,8 +53,12 @@ STACK_ON_A_FULL_DISK = textwrap.dedent(
         ):
             docs = [{"id": f"d{i}", "text": f"green tea number {i}"} for i in range(20)]
             ingested = client.post(f"/v1/indexes/{INDEX}/documents", params={"wait": 30},
-                                   json={"documents": docs})
-            report["ingest"] = ingested.json().get("status")
+                                   json={"documents": docs}).json()
+            waited = time.monotonic() + 120  # a worker still warming up on a loaded machine
+            while ingested.get("finished_at") is None and time.monotonic() < waited:
+                time.sleep(0.2)
+                ingested = client.get(f"/v1/ingestions/{ingested['id']}").json()
+            report["ingest"] = ingested.get("status")
             before = children(worker.pid)
             fill(mount)
             report["free"] = __import__("shutil").disk_usage(mount).free
