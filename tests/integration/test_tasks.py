@@ -2276,3 +2276,22 @@ def test_a_webhook_attempt_records_where_the_webhook_stands(
     webhook_task.webhook.apply(args=[{**_search_event(job.id), "attempt": attempt}])
     done = context.store.get_search(job.id)
     assert done is not None and done.webhook == WebhookState(*shown)  # type: ignore[arg-type]
+
+
+def test_a_chunk_of_a_finished_standard_batch_is_left_untouched(
+    context: base.WorkerContext,
+) -> None:
+    """A chunk message of a batch that has finished, every item final (a cancel's chunks
+    still queued: a 100,000-query batch has 4,000), has nothing to run and no webhook to send
+    again: it is acked at once, its chunk not claimed, its delivery not counted, its items
+    not read. Each went through all of that, and the batches sent after a big one canceled
+    waited in the queue behind its thousands of chunks."""
+    store = context.store
+    spec = SearchSpec(index="docs", query="volcano ash", limit=2)
+    batch = store.create_batch("acme", "docs", [("q0", spec), ("q1", spec)])
+    store.cancel_batch(batch.id)
+    finished = store.get_batch(batch.id)
+    assert finished is not None and finished.finished_at is not None, finished
+    before = set(store.redis.keys("*"))
+    assert tasks.batch_chunk.apply(args=[batch.id, 0, 2]).successful()
+    assert set(store.redis.keys("*")) == before  # no claim, no delivery counted

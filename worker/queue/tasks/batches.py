@@ -102,6 +102,9 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
     if batch is None:
         log.warning("batch %s: missing, chunk [%d, %d) dropped", batch_id, start, stop)
         return
+    if _nothing_left(store, batch):
+        log.debug("batch %s: finished, chunk [%d, %d) has nothing to run", batch_id, start, stop)
+        return
     # claimed first, as a search is: a copy delivered while another live run holds the chunk
     # (kombu's restore at a broker reconnect, a re-drive) writes nothing and is no poison (its
     # worker is not lost): counted, a copy past the limit failed the items that run had not
@@ -122,6 +125,19 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
         _batch_chunk(self, batch, start, stop, chunk_claim)
     finally:  # (one handed back or retried let go before its message went: nothing to do)
         store.release_chunk(batch_id, start, stop, chunk_claim)
+
+
+def _nothing_left(store: JobStore, batch: BatchJob) -> bool:
+    """Whether a chunk of ``batch`` has nothing to do: the batch has finished (every item
+    final: a cancel's chunks still queued, 4,000 of a 100,000-query batch) and its webhook is
+    not owed unattempted (a redelivered chunk sends that one again: :func:`_end_chunk`). Such a
+    chunk went through its claim, its delivery count and its items' reads for nothing, and the
+    batches sent after a big one canceled waited behind its thousands of chunks. An economy
+    batch's chunk still goes the whole way: its lane's submission check runs at every
+    chunk's end (:func:`~worker.queue.economy.maybe_submit`)."""
+    if batch.finished_at is None or batch.lane == LANE_ECONOMY:
+        return False
+    return not store.webhook_unattempted(batch.id)
 
 
 def _batch_chunk(
