@@ -91,6 +91,7 @@ class Prometheus:
     url: str
     client: httpx.Client
     log_path: Path
+    targets: Mapping[str, Sequence[str]]  # each job's targets, as configured
 
     def query(self, expr: str) -> list[dict[str, Any]]:
         """An instant query; answers the result list (vector or scalar, as returned)."""
@@ -113,15 +114,18 @@ class Prometheus:
         return out
 
     def scrape_count(self, job: str) -> int:
-        found = self.values(f'count_over_time(up{{job="{job}"}}[1h])')
-        return int(min(found.values())) if found else 0
+        """The scrapes of ``job``'s least scraped target (0 while one has had none)."""
+        found = self.values(f'count_over_time(up{{job="{job}"}}[1h])', by="instance")
+        if len(found) < len(self.targets[job]):
+            return 0
+        return int(min(found.values()))
 
     def wait_for_scrapes(self, job: str, count: int) -> None:
         """Wait until every target of ``job`` has been scraped ``count`` times, and is up."""
         wait_until(
             lambda: (
                 self.scrape_count(job) >= count
-                and all(v == 1 for v in self.values(f'up{{job="{job}"}}').values())
+                and all(v == 1 for v in self.values(f'up{{job="{job}"}}', by="instance").values())
             ),
             f"{count} scrapes of {job} (log: {self.log_path})",
         )
@@ -199,7 +203,7 @@ def run_prometheus(
                 return client.get(f"{url}/-/ready").status_code == 200
 
             wait_until(ready, f"prometheus to be ready (log: {log_path})")
-            yield Prometheus(url=url, client=client, log_path=log_path)
+            yield Prometheus(url=url, client=client, log_path=log_path, targets=targets)
         finally:
             stop(process)
 
