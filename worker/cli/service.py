@@ -337,13 +337,17 @@ def _serve_single_process_metrics(settings: Settings) -> None:
     """Serve a worker run as one process's ``/metrics`` before its wait for Redis, which an
     orchestrator's startup probe reads (Celery's ``worker_init`` served it only after the
     wait: a pod waiting past the probe's 120 s was killed). Celery's own call then finds it
-    served (:func:`~worker.observability.metrics.serve_worker_metrics` serves once)."""
-    from worker.observability.metrics import serve_worker_metrics
+    served (:func:`~worker.observability.metrics.serve_worker_metrics` serves once), or its
+    port waited for: one in use (the worker this one replaces, still stopping) is bound once
+    free."""
+    from worker.observability.metrics import serve_worker_metrics_when_free
 
     if not settings.worker_metrics_port:
         return
     try:
-        serve_worker_metrics(settings)
+        serve_worker_metrics_when_free(
+            settings, lambda line: errors.print(plain(line), soft_wrap=True)
+        )
     except OSError as exc:
         errors.print(
             f"[yellow]warning:[/yellow] worker metrics not served on "

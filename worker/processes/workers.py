@@ -442,11 +442,12 @@ def _dead(service: Service) -> None:
 
 
 def _serve_metrics(settings: Settings) -> None:
-    from worker.observability.metrics import serve_worker_metrics
+    from worker.observability.metrics import serve_worker_metrics_when_free
 
     try:
-        serve_worker_metrics(settings)
+        served = serve_worker_metrics_when_free(settings, _say)
     except OSError as exc:
         _say(f"worker metrics not served on :{settings.worker_metrics_port}: {exc}")
         return
-    _say(f"metrics of every worker process on :{settings.worker_metrics_port}/metrics")
+    if served:
+        _say(f"metrics of every worker process on :{settings.worker_metrics_port}/metrics")

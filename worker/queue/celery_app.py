@@ -76,7 +76,7 @@ def _serve_metrics(sender: Any = None, **_: Any) -> None:
         return
     from worker.observability.metrics import (
         multiprocess_dir,
-        serve_worker_metrics,
+        serve_worker_metrics_when_free,
         setup_multiprocess,
     )
 
@@ -86,11 +86,12 @@ def _serve_metrics(sender: Any = None, **_: Any) -> None:
         setup_multiprocess(temporary_metrics_dir())
 
     try:
-        serve_worker_metrics(settings)
+        served = serve_worker_metrics_when_free(settings, log.warning)
     except OSError as exc:
         log.warning("worker metrics not served on :%d: %s", settings.worker_metrics_port, exc)
     else:
-        log.info("worker metrics on :%d/metrics", settings.worker_metrics_port)
+        if served:
+            log.info("worker metrics on :%d/metrics", settings.worker_metrics_port)
 
 
 def _check_prices(sender: Any = None, **_: Any) -> None:

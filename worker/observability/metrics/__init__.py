@@ -53,6 +53,7 @@ from worker.observability.metrics._exposition import (
     exposition_registry,
     metrics_response,
     serve_worker_metrics,
+    serve_worker_metrics_when_free,
     snapshot,
     start_worker_metrics_server,
 )
@@ -255,6 +256,7 @@ __all__ = [
     "rerank_in_flight",
     "running_job",
     "serve_worker_metrics",
+    "serve_worker_metrics_when_free",
     "setup_multiprocess",
     "slot_waited",
     "snapshot",

@@ -3,8 +3,10 @@ gateway's ``/metrics`` route, a worker's own HTTP server, and tests and tools th
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from threading import Thread
+import errno
+import time
+from collections.abc import Callable, Mapping
+from threading import Lock, Thread
 from typing import Protocol
 from wsgiref.simple_server import WSGIServer
 
@@ -53,6 +55,11 @@ def start_worker_metrics_server(port: int, addr: str = "0.0.0.0") -> tuple[WSGIS
 
 
 _serving: list[int] = []  # the port this process serves /metrics on, once it does
+_waiting: list[int] = []  # the port a thread of this process binds once it is free
+_lock = Lock()
+# A port in use is tried again this often, until it is free: the `sift worker` this one
+# replaces holds it until its warm shutdown ends (up to 25 s at the defaults)
+METRICS_PORT_RETRY_SECONDS = 1.0
 
 
 class WorkerMetricsSettings(Protocol):
@@ -76,9 +83,59 @@ def serve_worker_metrics(settings: WorkerMetricsSettings) -> None:
     increase over a series that first appears at its first event would miss that event.
     Raises :class:`OSError` when the port cannot be bound. Once a process: ``sift worker``
     run as one process serves it before its wait for Redis, and Celery's ``worker_init``
-    calls again after it (a second bind failed)."""
-    if _serving:
-        return
+    calls again after it (a second bind failed); nor while a thread of
+    :func:`serve_worker_metrics_when_free` waits for the port."""
+    with _lock:
+        if _serving or _waiting:
+            return
+        _serve(settings)
+
+
+def serve_worker_metrics_when_free(
+    settings: WorkerMetricsSettings, say: Callable[[str], None]
+) -> bool:
+    """:func:`serve_worker_metrics`, and on a port in use (the worker this one replaces, still
+    in its warm shutdown), a daemon thread that binds it once it is free, trying every
+    :data:`METRICS_PORT_RETRY_SECONDS`, each step said through ``say``. Answers whether it
+    is served now; raises :class:`OSError` for any other failure to bind."""
+    port = settings.worker_metrics_port
+    with _lock:
+        if _serving or _waiting:
+            return bool(_serving)
+        try:
+            _serve(settings)
+            return True
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            _waiting.append(port)
+    say(
+        f"worker metrics not served on :{port} yet: the port is in use (the worker this one "
+        "replaces, still stopping?); trying it again every second"
+    )
+
+    def bind_once_free() -> None:
+        while True:
+            time.sleep(METRICS_PORT_RETRY_SECONDS)
+            with _lock:
+                try:
+                    _serve(settings)
+                except OSError as exc:
+                    if exc.errno == errno.EADDRINUSE:
+                        continue
+                    _waiting.clear()
+                    say(f"worker metrics not served on :{port}: {exc}")
+                    return
+                _waiting.clear()
+            say(f"worker metrics on :{port}/metrics, the port free now")
+            return
+
+    Thread(target=bind_once_free, name="sift-metrics-port", daemon=True).start()
+    return False
+
+
+def _serve(settings: WorkerMetricsSettings) -> None:
+    """Every series at zero, then the server (call with ``_lock`` held)."""
     model = settings.generation_model_id
     preregister(
         models=[model] if model else [],
