@@ -31,7 +31,7 @@ from api_gateway.indexes import router as indexes_router
 from api_gateway.jobs import router, stop_retakes
 from api_gateway.listing import router as listing_router
 from api_gateway.metrics import GatewayMetrics
-from api_gateway.middleware import BodyLimitMiddleware, MetricsMiddleware
+from api_gateway.middleware import BodyLimitMiddleware, ForcedStopMiddleware, MetricsMiddleware
 from api_gateway.ops import router as ops_router
 from api_gateway.queue import OutboxSender
 from api_gateway.routing import GetAnswersHead
@@ -197,6 +197,7 @@ def create_app(
     install_docs(app)
     add_routes(app, ops_router)  # /healthz, /readyz, /metrics: no request checks
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes, keyring=keyring)
+    app.add_middleware(ForcedStopMiddleware)  # inside the metrics: its 503 is counted so
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     metrics.preregister((router, listing_router, indexes_router, ops_router))
     return app

@@ -1,8 +1,10 @@
 """Pure ASGI middleware: the request body size limit (413), a compressed body or one in
-another charset than UTF-8 (415), and per-route HTTP metrics."""
+another charset than UTF-8 (415), a request cut short by a forced stop (503), and per-route
+HTTP metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import email.message
 import time
 from typing import Any
@@ -12,8 +14,14 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api_gateway.auth import KeyRing, key_refused
-from api_gateway.errors import FieldProblem, error_response
+from api_gateway.errors import (
+    UNAVAILABLE_RETRY_AFTER,
+    UNAVAILABLE_RETRY_AFTER_SECONDS,
+    FieldProblem,
+    error_response,
+)
 from api_gateway.metrics import GatewayMetrics
+from worker.constants import ERROR_UNAVAILABLE
 
 
 def _refusal(status: int, type_: str, field: str, problem: str) -> JSONResponse:
@@ -141,6 +149,45 @@ class BodyLimitMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+class ForcedStopMiddleware:
+    """A request the server cancels (uvicorn forced to stop, by a second Ctrl-C or SIGTERM
+    during its graceful stop, cancels every request it still serves) is answered ``503``
+    ``unavailable``, its outcome unknown, if nothing of its answer was sent: it may have
+    made its job already (a search in its ``?wait=``). uvicorn's own answer was a plain-text
+    ``500 Internal Server Error``, which says the request failed."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_started(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_started)
+        except asyncio.CancelledError:
+            if not started:
+                answer = error_response(
+                    503,
+                    ERROR_UNAVAILABLE,
+                    "the gateway was stopped before it answered, so whether the request was "
+                    "applied is unknown; send it again after "
+                    f"{UNAVAILABLE_RETRY_AFTER_SECONDS} s with its Idempotency-Key, or look "
+                    "for its job in the job lists (GET /v1/searches, /v1/batches, "
+                    "/v1/ingestions)",
+                    headers=UNAVAILABLE_RETRY_AFTER,
+                )
+                await answer(scope, receive, send)
+            raise
 
 
 # The standard methods, counted as sent whether or not a route serves them (no route serves
