@@ -392,7 +392,8 @@ async def _cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> Batc
         409: {
             "model": ErrorBody,
             "description": "`not_finished`: the batch has items queued or running; nothing "
-            "was erased. Cancel it first (`DELETE /v1/batches/{id}`) or wait for it to finish.",
+            "was erased. Cancel it first (`DELETE /v1/batches/{id}`) or wait for it to finish "
+            "(one canceled already: its items past their model call finish).",
         },
     },
     summary="Erase a finished batch: its items, queries and results",

@@ -152,6 +152,13 @@ async def erase(request: Request, kind: ErasableKind, job_id: str, tenant: str) 
         raise no_job(kind, job_id)
     if erasure.outcome is EraseOutcome.NOT_FINISHED:
         how = _HOW_TO_END[kind].replace("{id}", job_id)
+        if kind == "batch":  # one canceled already has its items past their model call left
+            batch = await off_loop(job_store(request).get_batch, job_id)
+            if batch is not None and batch.canceled_at is not None:
+                how = (
+                    f"it was canceled at {iso(batch.canceled_at)}, and its items past their "
+                    "model call finish: erase it once it has finished"
+                )
         raise ApiError(
             409,
             "not_finished",

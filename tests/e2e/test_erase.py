@@ -289,6 +289,26 @@ def test_a_batch_not_finished_is_erased_once_canceled(stack: Stack) -> None:
     assert stack.idle.get(f"/v1/batches/{batch_id}", headers=ACME).status_code == 410
 
 
+def test_a_canceled_batch_whose_items_still_run_is_not_told_to_cancel_it(stack: Stack) -> None:
+    """A batch canceled while a worker runs one of its items (past its model call: it
+    finishes) is still running: its erase is ``409`` ``not_finished``, saying the cancel was
+    made and to erase it once it finishes. It said ``cancel it first``, of a batch canceled
+    already: a client that did so got the same 409 again."""
+    queries = [{"id": f"q{i}", "query": "tea"} for i in range(3)]
+    batch = stack.idle.post("/v1/batches", json={"index": "docs", "queries": queries}, headers=ACME)
+    batch_id = batch.json()["id"]
+    store = JobStore.from_url(stack.redis_url + "/1")  # the idle gateway's: no worker takes it
+    assert store.start_item(batch_id, "q0")  # a worker took it, and runs it
+    canceled = stack.idle.delete(f"/v1/batches/{batch_id}", headers=ACME).json()
+    assert canceled["status"] == "running" and canceled["counts"]["running"] == 1, canceled
+    refused = stack.idle.delete(f"/v1/batches/{batch_id}/results", headers=ACME)
+    assert refused.status_code == 409, refused.text
+    error = refused.json()["error"]
+    assert error["type"] == "not_finished" and error["field"] == "id"
+    assert "cancel it first" not in error["message"], error["message"]
+    assert "canceled at" in error["message"] and "once it has finished" in error["message"]
+
+
 def test_sift_erase_erases_a_search_and_a_batch(stack: Stack) -> None:
     index, _ = _marked_index(stack)
     search = stack.live.post(
