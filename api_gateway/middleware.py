@@ -155,7 +155,7 @@ class ForcedStopMiddleware:
     """A request the server cancels (uvicorn forced to stop, by a second Ctrl-C or SIGTERM
     during its graceful stop, cancels every request it still serves) is answered ``503``
     ``unavailable``, its outcome unknown, if nothing of its answer was sent: it may have
-    made its job already (a search in its ``?wait=``). uvicorn's own answer was a plain-text
+    made its job already (a search in its ``?wait=``). uvicorn's own answer is a plain-text
     ``500 Internal Server Error``, which says the request failed."""
 
     def __init__(self, app: ASGIApp) -> None:

@@ -3,12 +3,11 @@ uvicorn answers by cancelling the requests it still serves) while a request is i
 
 ``sift gateway`` on a real redis-server, no worker: a search sent with ``?wait=30`` is made
 (queued in Redis) and then held by its wait. A SIGTERM starts the graceful stop, which waits
-for that request; a SIGINT then forces it. The client was answered uvicorn's own ``500``
-``Internal Server Error`` in plain text: not the gateway's error body, and a 500 says the
-request failed in the server, where the search was made and runs once a worker comes (a
-client sending it again without a key makes a second). It is answered the ``503``
-``unavailable`` every other answer of unknown outcome gets, in the error body, with
-``Retry-After``.
+for that request; a SIGINT then forces it. uvicorn's own answer, a plain-text ``500``
+``Internal Server Error``, is not the gateway's error body and says the request failed in
+the server, where the search was made and runs once a worker comes (a client sending it
+again without a key makes a second). The client is answered the ``503`` ``unavailable``
+every other answer of unknown outcome gets, in the error body, with ``Retry-After``.
 """
 
 from __future__ import annotations
