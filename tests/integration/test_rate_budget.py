@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import multiprocessing
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -695,6 +696,38 @@ def test_a_search_the_budget_cannot_serve_in_time_falls_back_without_a_model_cal
     assert wait_at(asked_by) - 1e-6 <= waited <= wait_at(asked_from) + 1e-6
     assert recorder.events["attempt", "budget_exhausted"] == 1
     assert recorder.events["rerank", "budget_exhausted"] == 1
+
+
+def test_a_budget_exhausted_message_says_what_a_call_needs_of_the_time_left(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    """The attempt is ``budget_exhausted`` when its wait leaves the call less than twice the
+    answered calls' average time: the message says how long that is. It said only the wait
+    and the time left, ``it takes a call again in 7.2s, past the search deadline (28.9s
+    left)``, which reads as a contradiction: a stack whose fake model answered in 5 to 18 s
+    failed 24 items so in a 20 s outage. Here calls took 10 s (the clock moves as each is
+    sent), so a call needs 2 s; the breaker opens 29 s with 30 s left."""
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    pipeline, budget = build(
+        fake, client, "fail_closed", RateLimit(rpm=6000), RecordingRecorder(), deadline=30.0,
+        clock=lambda: now[0], sleep=sleep, sending=lambda: sleep(10.0),
+    )  # fmt: skip
+    assert search(pipeline).rerank.applied  # answered in 10 s: the calls' average
+    budget.trip(29.0)
+    with pytest.raises(RerankFailed) as failed:
+        search(pipeline)
+    said = re.search(
+        r"again in ([\d.]+)s, past the search deadline \(([\d.]+)s left, of which a call needs "
+        r"([\d.]+)s\)",
+        str(failed.value),
+    )
+    assert said is not None, str(failed.value)
+    wait, left, needs = (float(said.group(n)) for n in (1, 2, 3))
+    assert wait < left < wait + needs, str(failed.value)
 
 
 def test_under_fail_closed_it_fails_naming_the_class_and_counts_in_metrics(

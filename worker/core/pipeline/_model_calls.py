@@ -458,7 +458,9 @@ class ModelCalls:
 
     def _exhausted(self, run: RerankRun, deadline: Deadline, waited: float, why: str) -> NoReturn:
         """The attempt cannot be sent within the search's deadline: ``budget_exhausted``,
-        nothing sent, which the failure policy takes from there."""
+        nothing sent, which the failure policy takes from there. Its message says the time
+        left and what of it a call needs (twice the answered calls' average): a wait shorter
+        than the time left can still leave the call too little."""
         self.record_attempt(
             run,
             AttemptOutcome.BUDGET_EXHAUSTED,
@@ -468,9 +470,11 @@ class ModelCalls:
             budget_wait_seconds=waited,
         )
         run.backed_off = 0.0
+        left, needed = max(0.0, deadline.remaining()), self.call_time.needed()
         raise RerankAttemptError(
             AttemptOutcome.BUDGET_EXHAUSTED,
-            f"{why}, past the search deadline ({max(0.0, deadline.remaining()):.1f}s left)",
+            f"{why}, past the search deadline ({left:.1f}s left, of which a call needs "
+            f"{needed:.1f}s)",
         )
 
     def record_attempt(
