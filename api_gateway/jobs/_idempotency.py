@@ -106,7 +106,7 @@ class _Idempotency:
             raise ApiError(
                 422,
                 "idempotency_key_reused",
-                "Idempotency-Key: already used with a different request body",
+                "Idempotency-Key: already used with a different request (another path or body)",
                 field="Idempotency-Key",
             )
         if claim.outcome is IdempotencyOutcome.IN_PROGRESS:

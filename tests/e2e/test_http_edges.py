@@ -305,7 +305,8 @@ def test_an_idempotency_key_on_a_read_changes_nothing_and_replays_a_delete(
     """``GET`` and ``HEAD`` read: a key there has nothing to add, and is accepted as it was.
     A ``DELETE`` is a write job: sent again with its key it answers its first job (a second
     job, newer than an ingest of the id accepted in between, deleted what that wrote); the
-    key on another document's path is ``422``."""
+    key on another document's path is ``422``, whose message says a path may be what differs
+    (a ``DELETE`` has no body: "a different request body" sent the client looking for one)."""
     assert stack.live.get(f"/v1/indexes/{INDEX}", headers=KEYED).status_code == 200
     assert stack.live.head(f"/v1/indexes/{INDEX}", headers=KEYED).status_code == 200
     keyed = {**ACME, "Idempotency-Key": "delete-nobody-1"}
@@ -318,6 +319,9 @@ def test_an_idempotency_key_on_a_read_changes_nothing_and_replays_a_delete(
     other = stack.live.delete(f"/v1/indexes/{INDEX}/documents/nobody-2", headers=keyed)
     assert other.status_code == 422, other.text
     assert other.json()["error"]["field"] == "Idempotency-Key", other.text
+    assert other.json()["error"]["message"] == (
+        "Idempotency-Key: already used with a different request (another path or body)"
+    ), other.text
 
 
 def test_an_encoded_slash_is_no_segment_boundary_on_the_job_routes(

@@ -111,7 +111,10 @@ def test_idempotency_replay_and_mismatch(stack: Stack, corpus: object) -> None:
     assert changed.json()["error"]["field"] == "Idempotency-Key"
     # listed under fields, as every 422's problems are (docs/queue.md)
     assert changed.json()["error"]["fields"] == [
-        {"field": "Idempotency-Key", "message": "already used with a different request body"}
+        {
+            "field": "Idempotency-Key",
+            "message": "already used with a different request (another path or body)",
+        }
     ]
     # keys are per tenant: globex may use the same key for its own job
     other = stack.live.post(
