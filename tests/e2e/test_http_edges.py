@@ -306,7 +306,7 @@ def test_an_idempotency_key_on_a_read_changes_nothing_and_replays_a_delete(
     A ``DELETE`` is a write job: sent again with its key it answers its first job (a second
     job, newer than an ingest of the id accepted in between, deleted what that wrote); the
     key on another document's path is ``422``, whose message says a path may be what differs
-    (a ``DELETE`` has no body: "a different request body" sent the client looking for one)."""
+    (a ``DELETE`` has no body: a message naming only the body sends a client looking for one)."""
     assert stack.live.get(f"/v1/indexes/{INDEX}", headers=KEYED).status_code == 200
     assert stack.live.head(f"/v1/indexes/{INDEX}", headers=KEYED).status_code == 200
     keyed = {**ACME, "Idempotency-Key": "delete-nobody-1"}
