@@ -329,6 +329,31 @@ def test_each_5xx_in_a_row_opens_the_breaker_longer_or_for_its_retry_after(
     assert not budget.reserve(PROMPT, 60.0).shut
 
 
+def test_the_calls_in_flight_failing_together_open_the_breaker_once(
+    client: redis.Redis,
+) -> None:
+    """An outage meets a batch's calls in flight: fifty of them fail at once, from two
+    processes (529s, or connections refused), while the breaker they opened is still open.
+    They are one failure of the provider, not fifty in a row: the breaker opens for its first
+    second, then its probe goes, and each probe that fails opens it longer (2 s, then 4 s).
+    Counted each as a strike, they opened it for the 8 s cap at once, and the probes went at
+    8, 16 and 24 s, not 1, 3, 7, 15 and 23 s: a stack whose fake model was stopped for 20 s
+    under a 3,000-item batch failed 6 items and an interactive search that had met it."""
+    one, other = RedisRateBudget(client, MODEL), RedisRateBudget(client, MODEL)
+    for budget in itertools.islice(itertools.cycle((one, other)), 50):
+        budget.trip(None)
+    assert one.reserve(PROMPT, 60.0).wait <= OUTAGE_FIRST_SECONDS
+    opened = []
+    for _ in range(2):
+        _half_open(client, one.key)
+        probe = other.reserve(PROMPT, 60.0)
+        assert probe.admitted and probe.probe
+        other.trip(None)  # the probe failed
+        one.trip(None)  # and so did a call sent before the breaker opened, answered late
+        opened.append(round(one.reserve(PROMPT, 60.0).wait))
+    assert opened == [2 * OUTAGE_FIRST_SECONDS, 4 * OUTAGE_FIRST_SECONDS], opened
+
+
 def test_a_search_in_flight_when_an_outage_began_is_answered_after_it_within_its_deadline(
     client: redis.Redis,
 ) -> None:

@@ -55,7 +55,9 @@ OFF_REFRESH_SECONDS = 0.2
 
 # The breaker. A call answered 5xx (529 overloaded included) opens it: no process sends for
 # the answer's retry-after, or OUTAGE_FIRST_SECONDS doubled at each 5xx in a row up to
-# OUTAGE_MAX_SECONDS; then one call, the probe, goes alone (its lease: PROBE_LEASE_SECONDS, an
+# OUTAGE_MAX_SECONDS (the calls in flight that fail while it is open, sent before it opened,
+# are one failure: they keep it open that long after the last of them, and strike once);
+# then one call, the probe, goes alone (its lease: PROBE_LEASE_SECONDS, an
 # attempt's default timeout, should its process die), the others asking again every
 # PROBE_POLL_SECONDS. An answer that is neither a 5xx nor a 429 closes it; another 5xx opens
 # it again; a 429 (a pause) or no answer lets the next probe go. While it is open, or its
@@ -128,7 +130,8 @@ return held or ''
 # processes' pending, id -> "seconds instant" on Redis's clock. A limit both configured and
 # learned is the lower of the two. A stated level lowers Sift's bucket to it, less the
 # provider's spare (1 - burst) share, when Sift's believes it holds more; never raises it.
-# ARGV 21: 1 when a call was answered 5xx (it opens the breaker, strikes + 1), 22 that answer's
+# ARGV 21: 1 when a call was answered 5xx (it opens the breaker, strikes + 1 unless it is
+# open), 22 that answer's
 # retry-after (0: none), 23: 1 when a call was answered otherwise (it closes the breaker), 2
 # when a call got no answer (a timeout, a connection lost: its probe, if it is the one out,
 # ends: ARGV 29), 24-27
@@ -186,7 +189,8 @@ elseif tonumber(ARGV[23]) == 2 and probe > 0 and (ARGV[29] == '' or ARGV[29] == 
   redis.call('HSET', key, 'probe', 0)
 end
 if tonumber(ARGV[21]) > 0 then  -- a 5xx: no one sends for a while, longer at each in a row
-  strikes = strikes + 1
+  -- the calls in flight failing while it is open failed together: one strike, not one each
+  if now >= open then strikes = strikes + 1 end
   local seconds = tonumber(ARGV[22])
   if seconds <= 0 then
     seconds = math.min(tonumber(ARGV[25]) * 2 ^ (strikes - 1), tonumber(ARGV[26]))
