@@ -354,6 +354,33 @@ def test_the_calls_in_flight_failing_together_open_the_breaker_once(
     assert opened == [2 * OUTAGE_FIRST_SECONDS, 4 * OUTAGE_FIRST_SECONDS], opened
 
 
+def test_only_the_probe_s_answer_closes_the_breaker_not_one_sent_before_it_opened(
+    client: redis.Redis,
+) -> None:
+    """A batch's calls in flight (sent, the breaker closed) are answered 200 after an outage
+    began and opened the breaker: those answers say the provider took calls before, not that
+    it is back, and leave the breaker open; the probe's answer closes it. Each such answer
+    closed it, and every item waiting went into the outage: a stack at the defaults, the
+    fake model answering after 6 s, met a 20 s outage of 529s under a 3,000-item batch with
+    440 calls answered 529 and 102 items failed after three attempts each (``http_5xx``),
+    where the items waiting on the breaker send nothing (docs/queue.md). A body that is not
+    a message is an answer too: the same holds for it."""
+    one = RedisRateBudget(client, MODEL, RateLimit(rpm=6000))
+    other = RedisRateBudget(client, MODEL)
+    sent_before = [one.reserve(PROMPT, 30.0) for _ in range(2)]  # the breaker closed
+    assert all(grant.admitted and not grant.probe for grant in sent_before), sent_before
+    other.trip(None)  # the outage: another call answered 529
+    one.settle(sent_before[0], TokenUsage(input_tokens=100, output_tokens=5))
+    assert other.reserve(PROMPT, 30.0).shut
+    one.answered(sent_before[1])  # 200, a body that is not a message
+    assert other.reserve(PROMPT, 30.0).shut
+    _half_open(client, one.key)
+    probe = one.reserve(PROMPT, 30.0)
+    assert probe.admitted and probe.probe
+    one.settle(probe, TokenUsage(input_tokens=100, output_tokens=5))
+    assert not other.reserve(PROMPT, 30.0).shut
+
+
 def test_a_search_in_flight_when_an_outage_began_is_answered_after_it_within_its_deadline(
     client: redis.Redis,
 ) -> None:
@@ -2148,8 +2175,9 @@ def test_an_answer_without_usage_closes_the_breaker(client: redis.Redis) -> None
     one, other = RedisRateBudget(client, MODEL), RedisRateBudget(client, MODEL)
     one.trip(None)
     _half_open(client, one.key)
-    assert one.reserve(PROMPT, 30.0).admitted  # the probe
-    one.answered()
+    probe = one.reserve(PROMPT, 30.0)
+    assert probe.admitted and probe.probe
+    one.answered(probe)
     assert other.reserve(PROMPT, 30.0).admitted and not client.hget(one.key, "strikes")
 
 

@@ -299,9 +299,9 @@ class RateBudget(Protocol):
         breaker's probe still out, it ends."""
         ...
 
-    def answered(self) -> None:
-        """A call was answered, neither 5xx nor 429, with no usage (a body that is not a
-        message): the breaker closes."""
+    def answered(self, grant: BudgetGrant) -> None:
+        """``grant``'s call was answered, neither 5xx nor 429, with no usage (a body that is
+        not a message): the breaker closes if it was its probe."""
         ...
 
     def backlog(self) -> float:

@@ -57,11 +57,12 @@ OFF_REFRESH_SECONDS = 0.2
 # the answer's retry-after, or OUTAGE_FIRST_SECONDS doubled at each 5xx in a row up to
 # OUTAGE_MAX_SECONDS (the calls in flight that fail while it is open, sent before it opened,
 # are one failure: they keep it open that long after the last of them, and strike once);
-# then one call, the probe, goes alone (its lease: PROBE_LEASE_SECONDS, an
-# attempt's default timeout, should its process die), the others asking again every
-# PROBE_POLL_SECONDS. An answer that is neither a 5xx nor a 429 closes it; another 5xx opens
-# it again; a 429 (a pause) or no answer lets the next probe go. While it is open, or its
-# probe is out, the backlog a batch paces on reads OUTAGE_BACKLOG_SECONDS: no new batch item
+# then one call, the probe, goes alone (its lease: PROBE_LEASE_SECONDS, an attempt's default
+# timeout, should its process die), the others asking again every PROBE_POLL_SECONDS. The
+# probe's answer that is neither a 5xx nor a 429 closes it (a call sent before it opened,
+# answered since, leaves it: it says nothing of the provider now); another 5xx opens it
+# again; a 429 (a pause) or no answer lets the next probe go. While it is open, or its probe
+# is out, the backlog a batch paces on reads OUTAGE_BACKLOG_SECONDS: no new batch item
 # starts its search (and its deadline) against a provider that is down, nor one let start
 # before that gets its CPU slot meanwhile (shut(): it paces again, SearchPipeline.search).
 # Half open (the opening over, no probe out), it reads as usual for one item of a process, the
@@ -131,12 +132,11 @@ return held or ''
 # learned is the lower of the two. A stated level lowers Sift's bucket to it, less the
 # provider's spare (1 - burst) share, when Sift's believes it holds more; never raises it.
 # ARGV 21: 1 when a call was answered 5xx (it opens the breaker, strikes + 1 unless it is
-# open), 22 that answer's
-# retry-after (0: none), 23: 1 when a call was answered otherwise (it closes the breaker), 2
-# when a call got no answer (a timeout, a connection lost: its probe, if it is the one out,
-# ends: ARGV 29), 24-27
-# the probe's lease, the first and the longest opening, and how soon a caller asks again while
-# a probe is out (OUTAGE_*, PROBE_*). A reservation while the breaker is open, or a probe is out,
+# open), 22 that answer's retry-after (0: none), 23: 1 when a call was answered otherwise (it
+# closes the breaker if it is the probe, ARGV 29), 2 when a call got no answer (a timeout, a
+# connection lost: its probe, if it is the one out, ends: ARGV 29), 24-27 the probe's lease,
+# the first and the longest opening, and how soon a caller asks again while a probe is out
+# (OUTAGE_*, PROBE_*). A reservation while the breaker is open, or a probe is out,
 # is refused; one when it is half open (no probe out) is admitted as the probe. ARGV 28: 1 when
 # the learned limits (9-11) are only to be stored where the hash holds none (a reservation
 # restoring what its process learned, after the hash expired or Redis lost it), 0 when they
@@ -180,7 +180,8 @@ local writes = {}
 local strikes = tonumber(state[9]) or 0
 local open = tonumber(state[10]) or 0
 local probe = tonumber(state[11]) or 0
-if tonumber(ARGV[23]) == 1 and strikes > 0 then  -- an answer: the provider is back
+if tonumber(ARGV[23]) == 1 and strikes > 0 and ARGV[29] ~= '' and ARGV[29] == state[12] then
+  -- the probe's answer: the provider is back (a call sent before it opened tells nothing)
   strikes, open, probe = 0, 0, 0
   redis.call('HDEL', key, 'strikes', 'open', 'probe', 'prober')
 elseif tonumber(ARGV[23]) == 2 and probe > 0 and (ARGV[29] == '' or ARGV[29] == state[12]) then
@@ -813,11 +814,12 @@ class RedisRateBudget:
         if grant.probe:
             self._run((0, 0, 0), -1, answered=None, probe=grant.probe)
 
-    def answered(self) -> None:
-        """A call was answered, neither 5xx nor 429, with no usage to settle on (a body that
-        is not a message): the provider is back, the breaker closes."""
-        if self._turned_on():
-            self._run((0, 0, 0), -1, answered=True)
+    def answered(self, grant: BudgetGrant) -> None:
+        """``grant``'s call was answered, neither 5xx nor 429, with no usage to settle on (a
+        body that is not a message): if it was the breaker's probe, the provider is back and
+        the breaker closes."""
+        if grant.probe and self._turned_on():
+            self._run((0, 0, 0), -1, answered=True, probe=grant.probe)
 
     def trip(self, retry_after: float | None) -> None:
         """A call was answered 5xx (529 overloaded included): the breaker opens (again) for

@@ -327,7 +327,7 @@ class ModelCalls:
             if error.outcome is AttemptOutcome.HTTP_5XX:  # the provider is failing: the breaker
                 budget.trip(error.retry_after)
             elif usage is None and error.outcome not in NO_ANSWER:
-                budget.answered()  # an answer all the same (a body that is not a message)
+                budget.answered(grant)  # an answer all the same (a body that is not a message)
         if not error.sent or (usage is None and error.outcome in NO_ANSWER):
             budget.unanswered(grant)
 
