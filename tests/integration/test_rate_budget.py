@@ -354,6 +354,32 @@ def test_the_calls_in_flight_failing_together_open_the_breaker_once(
     assert opened == [2 * OUTAGE_FIRST_SECONDS, 4 * OUTAGE_FIRST_SECONDS], opened
 
 
+def test_a_search_whose_probe_failed_lets_another_search_go_as_the_next_probe(
+    client: redis.Redis,
+) -> None:
+    """The breaker's probe fails: the next probe is another search's, not that one's again,
+    whichever asks first once the opening is over; alone, it goes after a poll's time. A
+    search that met an outage and went as each probe spent its three attempts on it: with
+    openings of 1, 2 and 4 s, an 8 s outage failed an item of a 100-item batch, where the
+    searches waiting on the breaker spend no attempt on a provider that is down."""
+    one, other = RedisRateBudget(client, MODEL), RedisRateBudget(client, MODEL)
+    one.trip(None)  # the outage: a search's call answered 529
+    _half_open(client, one.key)
+    probe = one.reserve(PROMPT, 60.0)  # the same search, asking first, goes as the probe
+    assert probe.admitted and probe.probe
+    one.trip(None)  # and fails
+    _half_open(client, one.key)
+    again = one.reserve(PROMPT, 60.0, probe_failed=True)  # asks first again
+    assert not again.admitted and again.shut
+    assert 0 < again.wait <= PROBE_POLL_SECONDS
+    theirs = other.reserve(PROMPT, 60.0)  # another search, waiting on the breaker
+    assert theirs.admitted and theirs.probe
+    other.trip(None)  # it fails too; then no other search asks for a poll's time
+    client.hset(one.key, "open", f"{redis_now(client) - PROBE_POLL_SECONDS - 0.001:.6f}")
+    alone = one.reserve(PROMPT, 60.0, probe_failed=True)
+    assert alone.admitted and alone.probe
+
+
 def test_only_the_probe_s_answer_closes_the_breaker_not_one_sent_before_it_opened(
     client: redis.Redis,
 ) -> None:
@@ -1085,6 +1111,44 @@ def _timed_search(
     result = search(pipeline)
     now_total, now_calls = observed()
     return result, clock, (now_total - total, now_calls - calls)
+
+
+@pytest.mark.parametrize("outage", ["529", "refused"])
+def test_a_search_whose_probe_failed_says_so_at_its_next_reservation(
+    fake: fa.FakeAnthropic, client: redis.Redis, outage: str
+) -> None:
+    """A 529, then the retry goes as the breaker's probe and meets a 529 too (or the provider
+    refuses every connection): the third attempt's reservations (each time it asks again)
+    tell the budget the search's probe failed, so that another search waiting goes as the
+    next probe (a search that went as each one spent its attempts on the outage); the
+    reservations before the probe's do not. A refused probe, never sent, is an attempt spent
+    all the same."""
+    asked: list[tuple[bool, bool]] = []  # each reservation's flag; admitted as the probe
+
+    class Budget(RedisRateBudget):
+        def reserve(
+            self, prompt: RerankPrompt, max_wait: float, *, probe_failed: bool = False
+        ) -> Any:
+            grant = super().reserve(prompt, max_wait, probe_failed=probe_failed)
+            asked.append((probe_failed, bool(grant.probe)))
+            return grant
+
+    provider = fake
+    if outage == "refused":
+        with fa.FakeAnthropic() as provider:
+            pass  # stopped: its port refuses every connection
+    pipeline, budget = build(
+        provider, client, "fail_open", RateLimit(rpm=1_000), RecordingRecorder(), deadline=30.0
+    )
+    pipeline.rate_budget = Budget(client, MODEL, budget.limits)
+    fake.script([fa.status(529), fa.status(529), fa.good()])
+    result = search(pipeline)
+    outcomes = [a["outcome"] for a in result.trace["attempts"]]
+    failing = "http_5xx" if outage == "529" else "connection"
+    assert outcomes[:2] == [failing, failing] and len(outcomes) == 3, outcomes
+    probes = [n for n, (_, probe) in enumerate(asked) if probe]
+    assert probes, asked  # the second attempt went as the probe
+    assert all(flag == (n > probes[0]) for n, (flag, _) in enumerate(asked)), asked
 
 
 def _accounted(trace: dict[str, Any]) -> float:

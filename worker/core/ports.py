@@ -246,9 +246,13 @@ class RateBudget(Protocol):
     """The provider's rate limits, shared by every process calling the model (one budget per
     model and lane). The pipeline reserves before each attempt and settles after it."""
 
-    def reserve(self, prompt: RerankPrompt, max_wait: float) -> BudgetGrant:
+    def reserve(
+        self, prompt: RerankPrompt, max_wait: float, *, probe_failed: bool = False
+    ) -> BudgetGrant:
         """Reserve one request, the prompt's estimated input tokens and its ``max_tokens``,
-        if the budget frees them within ``max_wait`` seconds; the grant says how long to wait."""
+        if the budget frees them within ``max_wait`` seconds; the grant says how long to wait.
+        ``probe_failed``: the search's call went as the breaker's probe before and failed;
+        the breaker half open, another search waiting goes as the next probe, not this one."""
         ...
 
     def sent(self, waited: float) -> None:

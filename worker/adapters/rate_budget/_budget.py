@@ -61,7 +61,10 @@ OFF_REFRESH_SECONDS = 0.2
 # timeout, should its process die), the others asking again every PROBE_POLL_SECONDS. The
 # probe's answer that is neither a 5xx nor a 429 closes it (a call sent before it opened,
 # answered since, leaves it: it says nothing of the provider now); another 5xx opens it
-# again; a 429 (a pause) or no answer lets the next probe go. While it is open, or its probe
+# again; a 429 (a pause) or no answer lets the next probe go. A search whose probe failed
+# waits PROBE_POLL_SECONDS past the opening's end before it may probe again, the others
+# asking meanwhile: the next probe is another search's (each probe is one of its search's
+# attempts). While it is open, or its probe
 # is out, the backlog a batch paces on reads OUTAGE_BACKLOG_SECONDS: no new batch item
 # starts its search (and its deadline) against a provider that is down, nor one let start
 # before that gets its CPU slot meanwhile (shut(): it paces again, SearchPipeline.search).
@@ -144,7 +147,10 @@ return held or ''
 # which the probe mark holds ('prober') when it is admitted as the probe; with ARGV 23 = 2, the
 # probe a call that got no answer ends: only while the mark is still that one (a 429's pause
 # ended it, and another's probe is out since: that one stays); '' ends whichever is out (a
-# 429's pause).
+# 429's pause). ARGV 30: 1 when the reservation's search went as the probe before and it
+# failed: half open, it is refused (the breaker's) until the opening has been over ARGV 27's
+# seconds, in which every other search waiting on the breaker asks again: the next probe is
+# one of theirs, not another attempt of a search that already spent one on the outage.
 # Answers {admitted (1/0), seconds to wait, the backlog, 1 when the breaker refused it or,
 # admitted, when it is the probe, 1 when the breaker is half open (the opening over, no probe
 # out, this call not admitted as the probe)} (strings: Lua numbers come back from Redis as
@@ -211,6 +217,11 @@ if strikes > 0 then
 end
 local half = 0  -- half open: the opening over, no probe out
 if strikes > 0 and shut == 0 then half = 1 end
+-- a search whose probe failed is the probe again only once every other search waiting on
+-- the breaker has asked since the opening ended (each asks within a poll): the next is theirs
+local held = shut
+local turn = open + tonumber(ARGV[27])
+if half == 1 and tonumber(ARGV[30]) == 1 and now < turn then held = turn - now end
 local restore = tonumber(ARGV[28]) == 1
 for d = 1, 3 do
   local learned = tonumber(ARGV[8 + d])
@@ -288,13 +299,13 @@ end
 if max_wait == -2 then
   return {0, num(wait), backlog(need_now), 0, half}
 end
-if max_wait >= 0 and (shut > 0 or wait > max_wait) then
+if max_wait >= 0 and (held > 0 or wait > max_wait) then
   if #writes > 0 then
     redis.call('HSET', key, unpack(writes))
     redis.call('EXPIRE', key, ttl)
   end
-  if shut > 0 then
-    return {0, num(shut), backlog(need_now), 1, 0}
+  if held > 0 then
+    return {0, num(held), backlog(need_now), 1, half}
   end
   return {0, num(wait), backlog(need_now), 0, half}
 end
@@ -429,6 +440,7 @@ class RedisRateBudget:
         answered: bool | None = False,
         restore: bool = False,
         probe: str = "",
+        probe_failed: bool = False,
     ) -> tuple[bool, float, float, bool, bool]:
         """One script call; answers (admitted, wait, backlog, the breaker's part: refused by
         it, or admitted as its probe; the breaker half open) as :data:`BUDGET_SCRIPT` does.
@@ -438,7 +450,8 @@ class RedisRateBudget:
         call was answered otherwise (True), or got no answer at all (None). ``restore``:
         ``learn`` is stored only where the hash holds no limit. ``probe``: the reservation's
         probe id (its mark, admitted as the probe), or the probe a call with no answer ends
-        ('' : whichever is out)."""
+        ('' : whichever is out); ``probe_failed``: the reservation's search was a probe that
+        failed (:meth:`reserve`)."""
         limits = self.limits
         learned = learn or RateLimit()
         args: list[float | str] = [
@@ -467,6 +480,7 @@ class RedisRateBudget:
             PROBE_POLL_SECONDS,
             1 if restore else 0,
             probe,
+            1 if probe_failed else 0,
         ]
         self.script_calls += 1
         keys = [self.key, f"{self.key}:pending"]
@@ -675,7 +689,9 @@ class RedisRateBudget:
                 seconds = max(seconds, amount * 60.0 / min(known))
         return seconds
 
-    def reserve(self, prompt: RerankPrompt, max_wait: float) -> BudgetGrant:
+    def reserve(
+        self, prompt: RerankPrompt, max_wait: float, *, probe_failed: bool = False
+    ) -> BudgetGrant:
         raw = self.estimator.raw(prompt)
         estimate = self.estimator.estimate(prompt)
         if not self._turned_on():
@@ -690,7 +706,13 @@ class RedisRateBudget:
         # expired (a day without a call) or Redis lost it, and no call went out unmetered
         probe = uuid.uuid4().hex[:16]  # its probe mark's, should it be admitted as the probe
         admitted, wait, reading, breaker, half = self._run(
-            take, max(0.0, max_wait), tell=True, learn=self.learned, restore=True, probe=probe
+            take,
+            max(0.0, max_wait),
+            tell=True,
+            learn=self.learned,
+            restore=True,
+            probe=probe,
+            probe_failed=probe_failed,
         )
         now = self._clock()
         self._read(reading, half, now)

@@ -264,6 +264,8 @@ class ModelCalls:
             if on_billed is not None and usage is not None:
                 on_billed(run)
             run.held = _holds_everyone(error)
+            if grant is not None and grant.probe:  # an attempt spent, sent or refused
+                run.probe_failed = True  # the provider still failing: the next probe another's
             if grant is not None:
                 self._settle_failed(grant, error, usage, detail["budget_wait_seconds"] + paused)
             raise
@@ -401,7 +403,7 @@ class ModelCalls:
         assert self.rate_budget is not None
         while True:
             max_wait = max(0.0, deadline.remaining() - self.call_time.needed())
-            grant = self.rate_budget.reserve(prompt, max_wait)
+            grant = self.rate_budget.reserve(prompt, max_wait, probe_failed=run.probe_failed)
             if grant.admitted or not grant.shut or grant.wait > max_wait:
                 break
             self._wait(grant.wait, run, check)

@@ -32,6 +32,9 @@ class RerankRun:
     # whether the last attempt's answer held every process's calls for that back-off: a
     # 429's pause, or the breaker a 5xx opened for its retry-after (a wait for the budget)
     held: bool = False
+    # whether an attempt went as the rate budget's breaker probe and failed: the next probe
+    # is another search's, if one is waiting (RateBudget.reserve)
+    probe_failed: bool = False
 
     def add_usage(self, usage: TokenUsage, price: Price | None, discount: float) -> float | None:
         """Add one call's ``usage`` and its cost; answers that call's cost (None: unpriced)."""
