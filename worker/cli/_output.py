@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from importlib import resources
 from pathlib import Path
@@ -258,20 +258,23 @@ def format_cost(cost: float | None) -> str:
     return f"${float(cost):.6f}"
 
 
-def failure_kinds(batch: dict[str, Any], errors: Counter[str]) -> str:
-    """Its failed items by error type, most first, and its ``rerank_failed`` ones by class:
-    the batch record's ``failures`` and ``rerank_failures``, or, from a gateway that has
-    none, ``errors`` (the types its results showed).
+def failure_kinds(
+    failures: Mapping[str, int] | None,
+    rerank_failures: Mapping[str, int] | None,
+    errors: Counter[str] | None = None,
+) -> str:
+    """A batch's failed items by error type, most first, and its ``rerank_failed`` ones by
+    class: its record's ``failures`` and ``rerank_failures``, or, from a gateway that has
+    none (``failures`` None), ``errors`` (the types its results showed).
 
-    >>> failure_kinds({"failures": {"rerank_failed": 3, "deadline_exceeded": 1},
-    ...     "rerank_failures": {"malformed": 1, "budget_exhausted": 2}}, Counter())
+    >>> failure_kinds({"rerank_failed": 3, "deadline_exceeded": 1},
+    ...     {"malformed": 1, "budget_exhausted": 2})
     'rerank_failed 3 (budget_exhausted 2, malformed 1), deadline_exceeded 1'
-    >>> failure_kinds({}, Counter({"index_not_found": 2}))
+    >>> failure_kinds(None, None, Counter({"index_not_found": 2}))
     'index_not_found 2'
     """
-    failures = batch.get("failures")
-    kinds = Counter(failures) if failures is not None else errors
-    classes = Counter(batch.get("rerank_failures") or {})
+    kinds = Counter(failures) if failures is not None else errors or Counter()
+    classes = Counter(rerank_failures or {})
     parts = []
     for kind, n in kinds.most_common():
         part = f"{plain(kind)} {n}"

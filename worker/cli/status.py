@@ -393,7 +393,7 @@ def show(console: Console, status: Status) -> None:
             else "unpriced" if b.cost_usd is None else f"${b.cost_usd:.6f}",
             f"{b.age_seconds:.0f} s",
             "–" if b.idle_seconds is None else f"{b.idle_seconds:.0f} s ago",
-            failure_kinds(asdict(b), Counter()) or "–",  # unknown (None): nothing either
+            failure_kinds(b.failures, b.rerank_failures) or "–",  # unknown (None) too
         ])  # fmt: skip
     # whole cells, columns left out to fit (named below the table): cut to fit, the batch id
     # was "bat_…" at 80 columns, the width when the output is not a terminal

@@ -451,7 +451,7 @@ def batch(
         not_ok = tally.get("failed", 0) + tally.get("canceled", 0)
         if not_ok:
             # the error types at once: a mistyped --index fails every item, index_not_found
-            why = failure_kinds(final, errors)
+            why = failure_kinds(final.get("failures"), final.get("rerank_failures"), errors)
             _err().print(
                 f"[bold red]{tally.get('failed', 0)} failed"
                 + (f" ({why})" if why else "")
