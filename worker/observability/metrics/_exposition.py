@@ -54,8 +54,10 @@ def start_worker_metrics_server(port: int, addr: str = "0.0.0.0") -> tuple[WSGIS
     return server, thread
 
 
-_serving: list[int] = []  # the port this process serves /metrics on, once it does
-_waiting: list[int] = []  # the port a thread of this process binds once it is free
+# this process's /metrics: not served, WAITING (a thread binds its port once it is free) or
+# SERVING; _state["now"], changed with _lock held
+WAITING, SERVING = "waiting", "serving"
+_state: dict[str, str | None] = {"now": None}
 _lock = Lock()
 # A port in use is tried again this often, until it is free: the `sift worker` this one
 # replaces holds it until its warm shutdown ends (up to 25 s at the defaults)
@@ -86,9 +88,8 @@ def serve_worker_metrics(settings: WorkerMetricsSettings) -> None:
     calls again after it (a second bind failed); nor while a thread of
     :func:`serve_worker_metrics_when_free` waits for the port."""
     with _lock:
-        if _serving or _waiting:
-            return
-        _serve(settings)
+        if _state["now"] is None:
+            _serve(settings)
 
 
 def serve_worker_metrics_when_free(
@@ -100,15 +101,15 @@ def serve_worker_metrics_when_free(
     is served now; raises :class:`OSError` for any other failure to bind."""
     port = settings.worker_metrics_port
     with _lock:
-        if _serving or _waiting:
-            return bool(_serving)
+        if _state["now"] is not None:
+            return _state["now"] == SERVING
         try:
             _serve(settings)
             return True
         except OSError as exc:
             if exc.errno != errno.EADDRINUSE:
                 raise
-            _waiting.append(port)
+            _state["now"] = WAITING
     say(
         f"worker metrics not served on :{port} yet: the port is in use (the worker this one "
         "replaces, still stopping?); trying it again every second"
@@ -123,10 +124,9 @@ def serve_worker_metrics_when_free(
                 except OSError as exc:
                     if exc.errno == errno.EADDRINUSE:
                         continue
-                    _waiting.clear()
+                    _state["now"] = None
                     say(f"worker metrics not served on :{port}: {exc}")
                     return
-                _waiting.clear()
             say(f"worker metrics on :{port}/metrics, the port free now")
             return
 
@@ -145,7 +145,7 @@ def _serve(settings: WorkerMetricsSettings) -> None:
         tasks=TASK_NAMES,
     )
     start_worker_metrics_server(settings.worker_metrics_port)
-    _serving.append(settings.worker_metrics_port)
+    _state["now"] = SERVING
 
 
 def snapshot(
