@@ -1,6 +1,6 @@
 """The HTTP edges a careful client meets, over real HTTP against the e2e stack: a last line
-break on the framework's own routes, ``HEAD`` on every ``GET`` route, and an
-``Idempotency-Key`` sent where it is not honoured."""
+break on the framework's own routes, ``HEAD`` on every ``GET`` route, an
+``Idempotency-Key`` sent where it is not honoured, and a body with a problem in every item."""
 
 from __future__ import annotations
 
@@ -359,3 +359,39 @@ def test_the_gateway_keeps_an_idle_connection_longer_than_a_pooling_client_does(
         assert again.status == 200 and connection.sock is opened
     finally:
         connection.close()
+
+
+LISTED = 100  # the most problems a 400 or 422 lists (api_gateway.errors.MAX_LISTED_PROBLEMS)
+
+
+@pytest.mark.parametrize("route", ["batch", "ingest"])
+def test_a_body_with_a_problem_in_every_item_lists_the_first_ones(stack: Stack, route: str) -> None:
+    """A 422 lists the first problems of a body, and says more follow: it listed every one,
+    so a batch of 100,000 queries each with ``"limit": "10"`` (a string) was answered with
+    all 100,000 (46 MB for an 8 MB body with three problems in each query), an answer the
+    gateway built on its event loop, its ``/healthz`` unanswered meanwhile (2.6 s, seen by
+    use on a stack at the defaults). Nothing is stored."""
+    index = f"many-problems-{route}"
+    if route == "batch":
+        path = "/v1/batches"
+        queries = [{"id": f"q{i}", "query": "tea", "limit": "10"} for i in range(100_000)]
+        body: dict[str, Any] = {"index": index, "queries": queries}
+        named = [f"queries[{i}].limit" for i in range(LISTED)]
+    else:
+        path = f"/v1/indexes/{index}/documents"
+        metadata = {f"k{j}": None for j in range(100)}  # null: not a value metadata takes
+        documents = [{"id": f"d{i}", "text": "tea", "metadata": metadata} for i in range(1_000)]
+        body = {"documents": documents}
+        named = [f"documents[0].metadata.k{j}" for j in range(LISTED)]
+    answer = stack.live.post(path, json=body, headers=ACME, timeout=120)
+    assert answer.status_code == 422, answer.text[:500]
+    error = answer.json()["error"]
+    assert error["field"] == named[0]
+    assert [problem["field"] for problem in error["fields"]] == named
+    assert error["message"].startswith(f"{named[0]}: ")
+    assert f"; {named[-1]}: " in error["message"]
+    assert error["message"].endswith(f"more problems follow, not listed (the first {LISTED} are)")
+    assert len(answer.content) < 50_000, len(answer.content)
+    assert stack.live.get(f"/v1/indexes/{index}", headers=ACME).status_code == 404
+    listed = stack.live.get("/v1/ingestions", headers=ACME).json()["ingestions"]
+    assert all(job["index"] != index for job in listed), listed
