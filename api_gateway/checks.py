@@ -1,7 +1,8 @@
 """The request checks every ``/v1`` route runs after the key check: a gateway that is ready
 (not still waiting for its Redis's start checks), path parameters that are UTF-8, only the
 query parameters the route takes (each once), a body that is JSON with no member given
-twice, and ``Idempotency-Key`` once and only where it is honoured."""
+twice and none where the route reads none, and ``Idempotency-Key`` once and only where it
+is honoured."""
 
 from __future__ import annotations
 
@@ -145,6 +146,27 @@ def checked_headers(request: Request, _tenant: Tenant) -> None:
         )
 
 
+#: the methods whose routes read no body (a ``DELETE`` of a document or an index, every read)
+BODILESS_METHODS = ("GET", "HEAD", "DELETE")
+
+
+async def no_unread_body(request: Request, _tenant: Tenant) -> None:
+    """Refuse a body sent to a route that reads none (a ``GET``, ``HEAD`` or ``DELETE``): a
+    ``422`` naming ``body``, as an unknown query parameter is, before anything is done.
+    Ignored, an Elasticsearch user's ``GET /v1/searches`` with a search in its body would be
+    answered ``200`` with the list of past searches, and a ``DELETE`` of one document with
+    ``{"ids": [...]}`` would delete that one alone, answered as done. An empty body (a client's
+    ``Content-Length: 0``) is no body. After the key check (``_tenant``), so a request
+    without a key is 401 whatever its body."""
+    route = request.scope.get("route")
+    if request.method not in BODILESS_METHODS or not isinstance(route, APIRoute):
+        return
+    if await request.body():
+        raise InvalidRequest(
+            "body", f"{request.method} {route.path_format} takes no body; send it without one"
+        )
+
+
 #: The dependencies of every route of the app, the probes' and ``/metrics`` too: a path its
 #: route matched short of a last line break is a ``404``
 EVERY_ROUTE: list[Dependency] = [Depends(no_route_short_of_a_line_break)]
@@ -152,7 +174,7 @@ EVERY_ROUTE: list[Dependency] = [Depends(no_route_short_of_a_line_break)]
 #: gateway still starting is a 503; a path parameter's percent-escapes that are no UTF-8 are
 #: a 422 naming it, an unknown or repeated query parameter too, and so is a repeated
 #: Idempotency-Key or one on a POST or PATCH that does not honour it; a body not JSON is a
-#: 400, and one that gives a member twice a 422
+#: 400, one that gives a member twice a 422, and so is one sent to a route that reads none
 V1_ROUTE: list[Dependency] = [
     *EVERY_ROUTE,
     Depends(not_starting),
@@ -160,4 +182,5 @@ V1_ROUTE: list[Dependency] = [
     Depends(query_parameters),
     Depends(checked_headers),
     Depends(body_as_read),
+    Depends(no_unread_body),
 ]

@@ -395,3 +395,40 @@ def test_a_body_with_a_problem_in_every_item_lists_the_first_ones(stack: Stack, 
     assert stack.live.get(f"/v1/indexes/{index}", headers=ACME).status_code == 404
     listed = stack.live.get("/v1/ingestions", headers=ACME).json()["ingestions"]
     assert all(job["index"] != index for job in listed), listed
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("GET", "/v1/searches", SEARCH),  # Elasticsearch's _search is a GET with a body
+        ("GET", "/v1/indexes/body-on-a-read/documents", {"ids": ["d1"]}),
+        ("DELETE", "/v1/indexes/body-on-a-read/documents/d1", {"ids": ["d1", "d2"]}),
+        ("DELETE", "/v1/indexes/body-on-a-read", {"ids": ["d2"]}),
+    ],
+)
+def test_a_body_on_a_route_that_reads_none_is_422_naming_it(
+    stack: Stack, method: str, path: str, body: dict[str, Any]
+) -> None:
+    """A ``GET`` or ``DELETE`` takes no body, so one sent is refused, as an unknown query
+    parameter is, before anything is done: it was ignored, so an Elasticsearch user's
+    ``GET /v1/searches`` with a search in its body was answered ``200`` with the list of
+    past searches, and a ``DELETE`` of document ``d1`` with ``{"ids": ["d1", "d2"]}`` deleted
+    ``d1`` alone, answered as done. Without a key it is 401; with no body, or an empty one,
+    the route answers as before."""
+    index = "/v1/indexes/body-on-a-read"
+    documents = [{"id": "d1", "text": "green tea"}, {"id": "d2", "text": "black tea"}]
+    written = stack.live.post(
+        f"{index}/documents", params={"wait": 30}, json={"documents": documents}, headers=ACME
+    )
+    assert written.status_code == 200 and written.json()["status"] == "succeeded", written.text
+    answer = stack.live.request(method, path, json=body, headers=ACME)
+    assert answer.status_code == 422, answer.text
+    error = answer.json()["error"]
+    assert error["field"] == "body", error
+    route = path.replace("body-on-a-read", "{index}").replace("/d1", "/{id}")
+    assert error["message"] == f"body: {method} {route} takes no body; send it without one"
+    listed = stack.live.get(f"{index}/documents", headers=ACME).json()["documents"]
+    assert [document["id"] for document in listed] == ["d1", "d2"]  # nothing deleted
+    assert stack.live.request(method, path, json=body).status_code == 401
+    for empty in (None, b""):
+        assert stack.live.request(method, path, content=empty, headers=ACME).is_success
