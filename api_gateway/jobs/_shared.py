@@ -152,9 +152,13 @@ async def erase(request: Request, kind: ErasableKind, job_id: str, tenant: str) 
         raise no_job(kind, job_id)
     if erasure.outcome is EraseOutcome.NOT_FINISHED:
         how = _HOW_TO_END[kind].replace("{id}", job_id)
-        if kind == "batch":  # one canceled already has its items past their model call left
+        status = erasure.status or "running"
+        if kind == "batch":  # its status as its GET shows it: queued until an item starts
             batch = await off_loop(job_store(request).get_batch, job_id)
+            if batch is not None:
+                status = batch.status
             if batch is not None and batch.canceled_at is not None:
+                # one canceled already has its items past their model call left
                 how = (
                     f"it was canceled at {iso(batch.canceled_at)}, and its items past their "
                     "model call finish: erase it once it has finished"
@@ -162,8 +166,7 @@ async def erase(request: Request, kind: ErasableKind, job_id: str, tenant: str) 
         raise ApiError(
             409,
             "not_finished",
-            f"id: {kind} {job_id!r} is {erasure.status or 'running'}, not finished, so nothing "
-            f"was erased: {how}",
+            f"id: {kind} {job_id!r} is {status}, not finished, so nothing was erased: {how}",
             field="id",
         )
     assert erasure.erased_at is not None

@@ -273,6 +273,8 @@ def test_a_candidate_not_judged_at_the_erase_is_deleted_once_its_results_prove_i
 
 
 def test_a_batch_not_finished_is_erased_once_canceled(stack: Stack) -> None:
+    """The refusal of a batch not finished names the status its ``GET`` shows: a batch
+    whose items were all queued was said to be ``running``."""
     queries = [{"id": f"q{i}", "query": "tea"} for i in range(3)]
     batch = stack.idle.post("/v1/batches", json={"index": "docs", "queries": queries}, headers=ACME)
     batch_id = batch.json()["id"]
@@ -282,6 +284,8 @@ def test_a_batch_not_finished_is_erased_once_canceled(stack: Stack) -> None:
     error = refused.json()["error"]
     assert error["type"] == "not_finished" and error["field"] == "id"
     assert f"DELETE /v1/batches/{batch_id}" in error["message"]  # says how to end it
+    assert stack.idle.get(f"/v1/batches/{batch_id}", headers=ACME).json()["status"] == "queued"
+    assert error["message"].startswith(f"id: batch {batch_id!r} is queued, not finished")
     assert stack.idle.get(path, headers=ACME).json()["results"][0]["status"] == "queued"
     canceled = stack.idle.delete(f"/v1/batches/{batch_id}", headers=ACME)
     assert canceled.status_code == 200 and canceled.json()["status"] == "canceled", canceled.text
