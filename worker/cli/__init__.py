@@ -8,6 +8,7 @@ it. ``from worker.cli import app`` imports them all, in :data:`COMMAND_MODULES`'
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -47,7 +48,21 @@ def app_for(args: Sequence[str]) -> typer.Typer:
         importlib.import_module(f"{__name__}.{module}")
     from worker.cli._app import app
 
+    _unwrap_help(app)
     return app
+
+
+def _unwrap_help(app: typer.Typer) -> None:
+    """Give each command of ``app`` and its groups its docstring with every paragraph on one
+    line. The docstrings are wrapped at the source's width, and typer's rich help keeps those
+    line breaks in a group's list of commands and in the paragraphs after a command's first,
+    then wraps each piece again at the terminal's: a sentence broke after a word or two."""
+    for command in app.registered_commands:
+        text = command.help or inspect.getdoc(command.callback) or ""
+        command.help = "\n\n".join(" ".join(p.split()) for p in text.split("\n\n"))
+    for group in app.registered_groups:
+        if group.typer_instance is not None:
+            _unwrap_help(group.typer_instance)
 
 
 def __getattr__(name: str) -> typer.Typer:
