@@ -30,7 +30,6 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -44,6 +43,7 @@ from worker.cli._common import (
     EXIT_ERROR,
     _err,
     cli_settings,
+    one_of,
     setting_help,
     why_unwritable,
 )
@@ -71,11 +71,8 @@ console = Console(emoji=False)
 QUANTILES = {"p50": 0.5, "p95": 0.95, "p99": 0.99}
 
 
-class Window(StrEnum):
-    """How far back the report looks, in Prometheus's duration syntax."""
-
-    HOUR = "1h"
-    DAY = "1d"
+#: How far back the report may look, in Prometheus's duration syntax
+WINDOWS = ("1h", "1d")
 
 
 @dataclass(frozen=True)
@@ -389,7 +386,9 @@ def cost_command(
         str | None,
         typer.Option(help=setting_help("Prometheus base URL", "SIFT_PROMETHEUS_URL")),
     ] = None,
-    window: Annotated[Window, typer.Option(help="how far back to look")] = Window.HOUR,
+    window: Annotated[
+        str, typer.Option(callback=one_of(WINDOWS), help="how far back to look: 1h or 1d")
+    ] = "1h",
     png: Annotated[
         Path | None, typer.Option(dir_okay=False, help="also write a PNG chart to this file")
     ] = None,
@@ -401,7 +400,7 @@ def cost_command(
         url = settings.prometheus_url
         if png is not None:
             check_png(png)
-        report = fetch_report(url, window.value, settings.prices)
+        report = fetch_report(url, window, settings.prices)
         if json_out:
             typer.echo(json.dumps(as_json(report, url)))
         else:

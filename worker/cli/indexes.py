@@ -12,7 +12,6 @@ import json
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from enum import StrEnum
 from typing import Annotated, Any
 
 import typer
@@ -27,6 +26,7 @@ from worker.cli._common import (
     _err,
     _expected_errors,
     _out,
+    one_of,
 )
 from worker.cli._http import (
     RETRY_SECONDS,
@@ -55,11 +55,8 @@ app.add_typer(index_app, name="index")
 app.add_typer(documents_app, name="documents")
 
 
-class FusionMethodOption(StrEnum):
-    """``--method``'s choices (the API's ``fusion.method``)."""
-
-    RRF = "rrf"
-    LINEAR = "linear"
+#: ``--method``'s choices (the API's ``fusion.method``)
+FUSION_METHODS = ("rrf", "linear")
 
 
 JsonOut = Annotated[bool, typer.Option("--json", help="print the raw answer as JSON")]
@@ -355,9 +352,11 @@ def index_set(
         int | None, typer.Option("--rank-constant", help="RRF's rank constant (>= 1)")
     ] = None,
     method: Annotated[
-        FusionMethodOption | None,
+        str | None,
         typer.Option(
-            "--method", help="the fusion: rrf (ranks) or linear (min-max normalised scores)"
+            "--method",
+            callback=one_of(FUSION_METHODS),
+            help="the fusion: rrf (ranks) or linear (min-max normalised scores)",
         ),
     ] = None,
     candidate_limit: Annotated[
@@ -381,7 +380,7 @@ def index_set(
         rank_constant,
         candidate_limit,
         reset,
-        method=method.value if method is not None else None,
+        method=method,
     )
     if not body:
         _err().print("[bold red]error:[/] give at least one setting (or --reset)")
