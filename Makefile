@@ -34,8 +34,10 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint bench install services clean
 
+# A .venv without pip is made again: `python3 -m venv` leaves one, python but no pip, where the
+# venv module is not installed (Debian, Ubuntu: python3-venv), and stops at ensurepip.
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	test -x $(BIN)/pip || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
