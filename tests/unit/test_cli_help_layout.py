@@ -80,3 +80,15 @@ def test_a_group_lists_each_command_s_first_paragraph_on_one_line(group: tuple[s
         if not any(line.startswith(f"{name} {_paragraphs(sub)[0]}") for line in lines)
     ]
     assert broken == [], "\n".join(lines)
+
+
+@pytest.mark.parametrize(
+    "words",
+    [pytest.param(w, id=" ".join(("sift", *w))) for w in [(), *(w for w, _ in _commands())]],
+)
+def test_nothing_is_cut_short_at_80_columns(words: tuple[str, ...]) -> None:
+    """Rich cuts a word longer than its column with an ellipsis; a default shown so
+    (``sift worker --queues``: ``sift.search,sift.batch,sift.ingest…``) hid a queue."""
+    result = CliRunner().invoke(app, [*words, "--help"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    assert "…" not in result.output, result.output

@@ -129,7 +129,13 @@ def worker(
         str | None, typer.Option(help=setting_help("threads|prefork|solo", "SIFT_WORKER_POOL"))
     ] = None,
     queues: Annotated[
-        str, typer.Option(callback=_known_queues, help="comma-separated queues")
+        str,
+        # the default with spaces, which rich wraps at: as one word it is cut to fit its column
+        typer.Option(
+            callback=_known_queues,
+            show_default=False,
+            help=f"comma-separated queues \\[default: {', '.join(ALL_QUEUES)}]",
+        ),
     ] = ",".join(ALL_QUEUES),
     loglevel: Annotated[
         str | None, typer.Option(help=setting_help("DEBUG|INFO|WARNING|ERROR", "SIFT_LOG_LEVEL"))
