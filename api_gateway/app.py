@@ -145,7 +145,8 @@ def create_app(
         owed = with_results_owed(async_store.memory, async_store.owed_bytes)
         app.state.memory = StoreMemory(owed)
         app.state.sender = sender
-        app.state.retakes = set()  # cancel-count takes sent again (api_gateway/jobs/)
+        # cancel-count takes and Idempotency-Key releases sent again (api_gateway/jobs/)
+        app.state.retakes = set()
         # webhook URLs' name lookups at registration, on threads of their own (api_gateway/jobs/)
         app.state.lookups = LookupThreads(LOOKUP_THREADS, "sift-gateway-dns")
         # a job's created_at on Redis's clock, which the workers time its start and end on

@@ -195,7 +195,7 @@ async def create_batch(
         except IdempotencyKeyBound as bound:
             batch_id = idem.bound_job(bound)
         except BaseException:
-            await idem.failed()
+            await idem.failed(request)
             raise
         else:
             metrics.job_submitted("batch")

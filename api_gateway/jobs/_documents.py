@@ -196,7 +196,7 @@ async def submit_write(
         except IdempotencyKeyBound as bound:
             job_id = idem.bound_job(bound)
         except BaseException:
-            await idem.failed()
+            await idem.failed(request)
             raise
         else:
             with job_context(job.id):

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from typing import Annotated
 
-from fastapi import Header
+from fastapi import Header, Request
 from pydantic import AfterValidator, BaseModel
 from pydantic_core import PydanticCustomError
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
-from api_gateway.deps import off_loop
+from api_gateway.deps import STORE_AWAY, off_loop
 from api_gateway.errors import ApiError
-from worker.constants import MAX_IDEMPOTENCY_KEY_CHARS
+from worker.constants import IDEMPOTENCY_PENDING_TTL_SECONDS, MAX_IDEMPOTENCY_KEY_CHARS
 from worker.queue.jobstore import (
     IdempotencyClaim,
     IdempotencyKeyBound,
@@ -24,6 +28,13 @@ from worker.queue.jobstore import (
 # moments (it is validating or writing), or it died and its claim lapses within
 # IDEMPOTENCY_PENDING_TTL_SECONDS; a resend each second finds the job as soon as it exists
 IN_PROGRESS_RETRY_AFTER_SECONDS = 1
+
+# A release that met Redis away is sent again each second until this long before the
+# claim's marker could lapse: it never reaches Redis after that, when the key may be
+# another request's claim (a release deletes whatever pending marker the key holds).
+RELEASE_MARGIN_SECONDS = 10.0
+
+log = logging.getLogger(__package__)  # api_gateway.jobs: one logger for the job routes
 
 
 def _within_bytes(key: str | None) -> str | None:
@@ -72,6 +83,7 @@ class _Idempotency:
 
     def __init__(self, store: JobStore, tenant: str, key: str | None, fp: str) -> None:
         self.store, self.tenant, self.key, self.fp = store, tenant, key, fp
+        self.claimed_at = 0.0  # monotonic, just before the claim was sent
 
     @classmethod
     def of(
@@ -91,6 +103,7 @@ class _Idempotency:
         """The job of an earlier request with this key, None to go ahead; raises 409/422."""
         if self.key is None:
             return None
+        self.claimed_at = time.monotonic()
         return self._answer(
             await off_loop(self.store.claim_idempotency, self.tenant, self.key, self.fp)
         )
@@ -120,8 +133,37 @@ class _Idempotency:
             )
         return claim.job_id if claim.outcome is IdempotencyOutcome.REPLAY else None
 
-    async def failed(self) -> None:
+    async def failed(self, request: Request) -> None:
         """Free the key of a request that failed before its job was created (a key already
-        bound to a job stays bound)."""
-        if self.key is not None:
+        bound to a job stays bound). With Redis away (the failure itself, often) the release
+        is sent again each second in a task of the gateway's own (``app.state.retakes``, as a
+        cancel's count take), not the request's: the request is answered ``503`` at once,
+        and a resend once Redis is back finds the key free instead of a ``409`` "in
+        progress" until the marker lapsed, 120 s after the claim, for a request that ended."""
+        if self.key is None:
+            return
+        try:
             await off_loop(self.store.release_idempotency, self.tenant, self.key)
+        except STORE_AWAY as exc:
+            log.warning("Idempotency-Key claim: released again once Redis answers: %s", exc)
+            retakes: set[asyncio.Task[None]] = request.app.state.retakes
+            task = asyncio.create_task(self._release_again())
+            retakes.add(task)
+            task.add_done_callback(retakes.discard)
+
+    async def _release_again(self) -> None:
+        """The release sent again until it is answered, while the marker is surely this
+        request's (:data:`RELEASE_MARGIN_SECONDS`); past that the marker lapses by itself."""
+        assert self.key is not None
+        left = self.claimed_at + IDEMPOTENCY_PENDING_TTL_SECONDS - RELEASE_MARGIN_SECONDS
+        try:
+            async for attempt in AsyncRetrying(
+                retry=retry_if_exception_type(STORE_AWAY),
+                stop=stop_after_delay(max(0.0, left - time.monotonic())),
+                wait=wait_fixed(1.0),
+                reraise=True,
+            ):
+                with attempt:
+                    await off_loop(self.store.release_idempotency, self.tenant, self.key)
+        except STORE_AWAY as exc:
+            log.warning("Idempotency-Key claim: not released; it lapses by itself: %s", exc)

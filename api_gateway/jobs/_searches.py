@@ -145,7 +145,7 @@ async def create_search(
         except IdempotencyKeyBound as bound:
             job_id = idem.bound_job(bound)
         except BaseException:
-            await idem.failed()
+            await idem.failed(request)
             raise
         else:
             metrics.job_submitted("search")

@@ -44,10 +44,17 @@ from tests.reliability.support import (
     wait_for,
 )
 from tests.services import celery_worker, free_port, gateway, http_get, redis_server
-from worker.constants import BATCH_ITEMS_KEY, SEARCH_KEY, WEBHOOK_QUEUE, WEBHOOK_TASK
+from worker.constants import (
+    BATCH_ITEMS_KEY,
+    IDEMPOTENCY_PENDING_TTL_SECONDS,
+    SEARCH_KEY,
+    WEBHOOK_QUEUE,
+    WEBHOOK_TASK,
+)
 from worker.processes.stack import child_env, gateway_service, running
 from worker.queue.config import celery_config
-from worker.queue.jobstore.scripts import _CANCEL_BATCH, _TAKE_CANCEL_COUNT
+from worker.queue.jobstore.idempotency import _idem_key
+from worker.queue.jobstore.scripts import _CANCEL_BATCH, _CREATE_SEARCH, _TAKE_CANCEL_COUNT
 from worker.settings import load_settings
 
 pytestmark = pytest.mark.integration
@@ -57,6 +64,7 @@ pytestmark = pytest.mark.integration
 FINISHED = (b"EVALSHA", b"\r\nsucceeded\r\n", b"\r\nqueued,running\r\n")
 CANCEL_SCRIPT = hashlib.sha1(_CANCEL_BATCH.encode()).hexdigest().encode()
 TAKE_SCRIPT = hashlib.sha1(_TAKE_CANCEL_COUNT.encode()).hexdigest().encode()
+CREATE_SEARCH_SCRIPT = hashlib.sha1(_CREATE_SEARCH.encode()).hexdigest().encode()
 
 
 @dataclass
@@ -65,6 +73,7 @@ class LossStack:
     proxy: ReplyLoss
     worker_metrics: str
     model: FakeAnthropic
+    redis_url: str  # the redis-server itself, not through the proxy
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +92,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LossStack]:
             celery_worker(tmp / "w", env, "w"),
         ):
             ingest(client)
-            yield LossStack(client, proxy, f"http://127.0.0.1:{port}/metrics", model)
+            metrics_url = f"http://127.0.0.1:{port}/metrics"
+            yield LossStack(client, proxy, metrics_url, model, url + "/0")
 
 
 def completed(url: str) -> dict[tuple[str, str], float]:
@@ -320,6 +330,47 @@ def test_a_cancel_whose_reply_is_lost_while_redis_stays_down_is_not_reported_as_
     again = stack.client.delete(f"/v1/batches/{batch_id}", headers=ACME)
     assert again.status_code == 200, again.text
     assert again.json() == batch
+
+
+@pytest.mark.timeout(300)
+def test_a_keyed_search_answered_503_with_redis_down_frees_its_key_once_redis_is_back(
+    stack: LossStack,
+) -> None:
+    """Redis goes down for 8 s as a keyed search is created: the create never runs, the
+    request is answered ``503``, and its release of the key's claim meets Redis down too.
+    Nothing was made, so the key must be freed once Redis answers (its marker deleted), not
+    left to say ``409 idempotency_key_in_progress`` ("the first request ... has not created
+    its job yet") to each resend until the marker expires 120 s after the claim: a client
+    resending as the ``503`` and the ``409`` tell it to got 409s for those two minutes, for a
+    request that had ended. Watched on the redis-server itself (keyspace events), so the
+    outage, played by the proxy, does not break the watch."""
+    key, body = "resent-after-a-503", {"index": INDEX, "query": "who beat Kasparov"}
+    marker = _idem_key("acme", key)
+    direct = redis.Redis.from_url(stack.redis_url, decode_responses=True)
+    direct.config_set("notify-keyspace-events", "Kgx")  # DEL and expiry events of keys
+    watch = direct.pubsub()
+    watch.subscribe(f"__keyspace@0__:{marker}")
+    try:
+        stack.proxy.arm(CREATE_SEARCH_SCRIPT, outage=8.0)
+        headers = {**ACME, "Idempotency-Key": key}
+        response = stack.client.post("/v1/searches", json=body, headers=headers)
+        assert stack.proxy.fired.is_set(), "Redis never went down at the create"
+        assert response.status_code == 503, response.text
+        assert direct.get(marker) is not None, "the claim was released while Redis was down"
+        events: list[str] = []
+        deadline = time.monotonic() + IDEMPOTENCY_PENDING_TTL_SECONDS + 30
+        while not events and time.monotonic() < deadline:
+            message = watch.get_message(ignore_subscribe_messages=True, timeout=1.0)
+            if message is not None and message["data"] in ("del", "expired"):
+                events.append(message["data"])  # not the claim's own set and expire
+        assert events == ["del"], f"the claim's marker was not released but {events or 'kept'}"
+        again = stack.client.post("/v1/searches", json=body, headers=headers)
+        assert again.status_code == 202, again.text
+        assert "idempotent-replayed" not in again.headers, again.headers
+    finally:
+        watch.close()
+        direct.config_set("notify-keyspace-events", "")
+        direct.close()
 
 
 @pytest.mark.timeout(300)
