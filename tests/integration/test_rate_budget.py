@@ -369,14 +369,14 @@ def test_a_search_whose_probe_failed_lets_another_search_go_as_the_next_probe(
     assert probe.admitted and probe.probe
     one.trip(None)  # and fails
     _half_open(client, one.key)
-    again = one.reserve(PROMPT, 60.0, probe_failed=True)  # asks first again
+    again = one.reserve(PROMPT, 60.0, yields_probe=True)  # asks first again
     assert not again.admitted and again.shut
     assert 0 < again.wait <= PROBE_POLL_SECONDS
     theirs = other.reserve(PROMPT, 60.0)  # another search, waiting on the breaker
     assert theirs.admitted and theirs.probe
     other.trip(None)  # it fails too; then no other search asks for a poll's time
     client.hset(one.key, "open", f"{redis_now(client) - PROBE_POLL_SECONDS - 0.001:.6f}")
-    alone = one.reserve(PROMPT, 60.0, probe_failed=True)
+    alone = one.reserve(PROMPT, 60.0, yields_probe=True)
     assert alone.admitted and alone.probe
 
 
@@ -1127,10 +1127,10 @@ def test_a_search_whose_probe_failed_says_so_at_its_next_reservation(
 
     class Budget(RedisRateBudget):
         def reserve(
-            self, prompt: RerankPrompt, max_wait: float, *, probe_failed: bool = False
+            self, prompt: RerankPrompt, max_wait: float, *, yields_probe: bool = False
         ) -> Any:
-            grant = super().reserve(prompt, max_wait, probe_failed=probe_failed)
-            asked.append((probe_failed, bool(grant.probe)))
+            grant = super().reserve(prompt, max_wait, yields_probe=yields_probe)
+            asked.append((yields_probe, bool(grant.probe)))
             return grant
 
     provider = fake

@@ -247,12 +247,13 @@ class RateBudget(Protocol):
     model and lane). The pipeline reserves before each attempt and settles after it."""
 
     def reserve(
-        self, prompt: RerankPrompt, max_wait: float, *, probe_failed: bool = False
+        self, prompt: RerankPrompt, max_wait: float, *, yields_probe: bool = False
     ) -> BudgetGrant:
         """Reserve one request, the prompt's estimated input tokens and its ``max_tokens``,
         if the budget frees them within ``max_wait`` seconds; the grant says how long to wait.
-        ``probe_failed``: the search's call went as the breaker's probe before and failed;
-        the breaker half open, another search waiting goes as the next probe, not this one."""
+        ``yields_probe``: the search lets another search waiting go as the breaker's next
+        probe (its own call went as the probe before and failed): the breaker half open,
+        another search waiting goes as the next probe, not this one."""
         ...
 
     def sent(self, waited: float) -> None:

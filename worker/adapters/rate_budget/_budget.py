@@ -440,7 +440,7 @@ class RedisRateBudget:
         answered: bool | None = False,
         restore: bool = False,
         probe: str = "",
-        probe_failed: bool = False,
+        yields_probe: bool = False,
     ) -> tuple[bool, float, float, bool, bool]:
         """One script call; answers (admitted, wait, backlog, the breaker's part: refused by
         it, or admitted as its probe; the breaker half open) as :data:`BUDGET_SCRIPT` does.
@@ -450,8 +450,8 @@ class RedisRateBudget:
         call was answered otherwise (True), or got no answer at all (None). ``restore``:
         ``learn`` is stored only where the hash holds no limit. ``probe``: the reservation's
         probe id (its mark, admitted as the probe), or the probe a call with no answer ends
-        ('' : whichever is out); ``probe_failed``: the reservation's search was a probe that
-        failed (:meth:`reserve`)."""
+        ('' : whichever is out); ``yields_probe``: the reservation's search lets another
+        waiting go as the next probe (:meth:`reserve`)."""
         limits = self.limits
         learned = learn or RateLimit()
         args: list[float | str] = [
@@ -480,7 +480,7 @@ class RedisRateBudget:
             PROBE_POLL_SECONDS,
             1 if restore else 0,
             probe,
-            1 if probe_failed else 0,
+            1 if yields_probe else 0,
         ]
         self.script_calls += 1
         keys = [self.key, f"{self.key}:pending"]
@@ -690,7 +690,7 @@ class RedisRateBudget:
         return seconds
 
     def reserve(
-        self, prompt: RerankPrompt, max_wait: float, *, probe_failed: bool = False
+        self, prompt: RerankPrompt, max_wait: float, *, yields_probe: bool = False
     ) -> BudgetGrant:
         raw = self.estimator.raw(prompt)
         estimate = self.estimator.estimate(prompt)
@@ -712,7 +712,7 @@ class RedisRateBudget:
             learn=self.learned,
             restore=True,
             probe=probe,
-            probe_failed=probe_failed,
+            yields_probe=yields_probe,
         )
         now = self._clock()
         self._read(reading, half, now)

@@ -403,7 +403,7 @@ class ModelCalls:
         assert self.rate_budget is not None
         while True:
             max_wait = max(0.0, deadline.remaining() - self.call_time.needed())
-            grant = self.rate_budget.reserve(prompt, max_wait, probe_failed=run.probe_failed)
+            grant = self.rate_budget.reserve(prompt, max_wait, yields_probe=run.probe_failed)
             if grant.admitted or not grant.shut or grant.wait > max_wait:
                 break
             self._wait(grant.wait, run, check)
