@@ -1151,6 +1151,39 @@ def test_a_search_whose_probe_failed_says_so_at_its_next_reservation(
     assert all(flag == (n > probes[0]) for n, (flag, _) in enumerate(asked)), asked
 
 
+def test_a_search_on_its_last_attempt_lets_another_search_go_as_the_next_probe(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    """A connection lost once the call went out (it opens nothing), then a 529 sent while
+    the breaker was still shut by no one: the third attempt is the search's last, and its
+    reservations ask the budget to let another search waiting go as the next probe, as a
+    search whose probe failed does (a probe that fails ends a search on its last attempt,
+    where it costs one waiting with attempts left only one of them); the first two's do not.
+    By use: a 3,000-item batch at the defaults, the fake model SIGKILLed for 20 s, failed
+    an item 'connection' whose three attempts met the outage, the last as the probe, beside
+    hundreds waiting on the breaker with attempts to spare. Alone, it still goes."""
+    asked: list[tuple[int, bool]] = []  # the calls sent before each reservation, its flag
+
+    class Budget(RedisRateBudget):
+        def reserve(
+            self, prompt: RerankPrompt, max_wait: float, *, yields_probe: bool = False
+        ) -> Any:
+            asked.append((len(fake.requests()), yields_probe))
+            return super().reserve(prompt, max_wait, yields_probe=yields_probe)
+
+    pipeline, budget = build(
+        fake, client, "fail_closed", RateLimit(rpm=1_000), RecordingRecorder(), deadline=30.0
+    )
+    pipeline.rate_budget = Budget(client, MODEL, budget.limits)
+    fake.script([fa.drop(), fa.status(529), fa.good()])
+    result = search(pipeline)
+    assert result.rerank.applied, result.trace["attempts"]
+    outcomes = [a["outcome"] for a in result.trace["attempts"]]
+    assert outcomes == ["connection", "http_5xx", "ok"], outcomes
+    assert {sent for sent, _ in asked} == {0, 1, 2}, asked
+    assert all(yields == (sent == 2) for sent, yields in asked), asked
+
+
 def _accounted(trace: dict[str, Any]) -> float:
     """The rerank stage's seconds as its attempts tell them: each one's own time and the
     waits before it. On the test's clock, which moves only by those, they are all of it."""

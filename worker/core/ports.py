@@ -252,8 +252,9 @@ class RateBudget(Protocol):
         """Reserve one request, the prompt's estimated input tokens and its ``max_tokens``,
         if the budget frees them within ``max_wait`` seconds; the grant says how long to wait.
         ``yields_probe``: the search lets another search waiting go as the breaker's next
-        probe (its own call went as the probe before and failed): the breaker half open,
-        another search waiting goes as the next probe, not this one."""
+        probe (its own call went as the probe before and failed, or this is its last
+        attempt): the breaker half open, another search waiting goes as the next probe, not
+        this one."""
         ...
 
     def sent(self, waited: float) -> None:

@@ -61,10 +61,10 @@ OFF_REFRESH_SECONDS = 0.2
 # timeout, should its process die), the others asking again every PROBE_POLL_SECONDS. The
 # probe's answer that is neither a 5xx nor a 429 closes it (a call sent before it opened,
 # answered since, leaves it: it says nothing of the provider now); another 5xx opens it
-# again; a 429 (a pause) or no answer lets the next probe go. A search whose probe failed
-# waits PROBE_POLL_SECONDS past the opening's end before it may probe again, the others
-# asking meanwhile: the next probe is another search's (each probe is one of its search's
-# attempts). While it is open, or its probe
+# again; a 429 (a pause) or no answer lets the next probe go. A search whose probe failed,
+# or on its last attempt, waits PROBE_POLL_SECONDS past the opening's end before it may
+# probe, the others asking meanwhile: the next probe is another search's (each probe is one
+# of its search's attempts). While it is open, or its probe
 # is out, the backlog a batch paces on reads OUTAGE_BACKLOG_SECONDS: no new batch item
 # starts its search (and its deadline) against a provider that is down, nor one let start
 # before that gets its CPU slot meanwhile (shut(): it paces again, SearchPipeline.search).
@@ -147,10 +147,11 @@ return held or ''
 # which the probe mark holds ('prober') when it is admitted as the probe; with ARGV 23 = 2, the
 # probe a call that got no answer ends: only while the mark is still that one (a 429's pause
 # ended it, and another's probe is out since: that one stays); '' ends whichever is out (a
-# 429's pause). ARGV 30: 1 when the reservation's search went as the probe before and it
-# failed: half open, it is refused (the breaker's) until the opening has been over ARGV 27's
-# seconds, in which every other search waiting on the breaker asks again: the next probe is
-# one of theirs, not another attempt of a search that already spent one on the outage.
+# 429's pause). ARGV 30: 1 when the reservation's search yields the probe (it went as the
+# probe before and it failed, or this is its last attempt): half open, it is refused (the
+# breaker's) until the opening has been over ARGV 27's seconds, in which every other search
+# waiting on the breaker asks again: the next probe is one of theirs, not another attempt of
+# a search that already spent one on the outage, nor the last of one.
 # Answers {admitted (1/0), seconds to wait, the backlog, 1 when the breaker refused it or,
 # admitted, when it is the probe, 1 when the breaker is half open (the opening over, no probe
 # out, this call not admitted as the probe)} (strings: Lua numbers come back from Redis as
@@ -217,8 +218,9 @@ if strikes > 0 then
 end
 local half = 0  -- half open: the opening over, no probe out
 if strikes > 0 and shut == 0 then half = 1 end
--- a search whose probe failed is the probe again only once every other search waiting on
--- the breaker has asked since the opening ended (each asks within a poll): the next is theirs
+-- a search whose probe failed, or on its last attempt, is the probe only once every other
+-- search waiting on the breaker has asked since the opening ended (each asks within a
+-- poll): the next is theirs
 local held = shut
 local turn = open + tonumber(ARGV[27])
 if half == 1 and tonumber(ARGV[30]) == 1 and now < turn then held = turn - now end

@@ -401,9 +401,14 @@ class ModelCalls:
         asks again, as long as the deadline allows: it sends nothing, so it spends none of
         the retry budget on a provider that is down (``check`` runs after each such wait)."""
         assert self.rate_budget is not None
+        # a probe that fails costs this search its last attempt, or another of its own on the
+        # outage: another search waiting goes as the next probe, if one asks in time
+        last = len(run.attempts) + 1 >= self.config.max_requests
         while True:
             max_wait = max(0.0, deadline.remaining() - self.call_time.needed())
-            grant = self.rate_budget.reserve(prompt, max_wait, yields_probe=run.probe_failed)
+            grant = self.rate_budget.reserve(
+                prompt, max_wait, yields_probe=run.probe_failed or last
+            )
             if grant.admitted or not grant.shut or grant.wait > max_wait:
                 break
             self._wait(grant.wait, run, check)
