@@ -28,10 +28,18 @@ def test_a_port_something_listens_on_is_passed_over(monkeypatch: pytest.MonkeyPa
         taken.bind(("127.0.0.1", free_port()))
         taken.listen()
         busy = taken.getsockname()[1]
-        tries = iter([busy, busy + 1])
-        monkeypatch.setattr(random, "randint", lambda low, high: next(tries))
+        pick = random.randint
+        offered: list[int] = []  # the listening port first, then the random picks
+
+        def offer(low: int, high: int) -> int:
+            offered.append(busy if not offered else pick(low, high))
+            return offered[-1]
+
+        monkeypatch.setattr(random, "randint", offer)
         monkeypatch.setattr(stack, "_handed_out", set())
-        assert free_port() == busy + 1
+        port = free_port()
+    # past it, to the next pick nothing else on this busy machine listens on either
+    assert offered[0] == busy and port == offered[-1] and port != busy, offered
 
 
 def test_with_no_room_below_the_range_the_kernel_picks(monkeypatch: pytest.MonkeyPatch) -> None:
